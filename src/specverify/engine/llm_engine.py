@@ -1,0 +1,457 @@
+"""The step loop: schedule, draft, estimate, plan, verify in one target forward, accept, learn.
+
+One `step()` moves every running request forward by at least one token. With speculation each request
+drafts up to K tokens (batched draft forwards), the planner admits a prefix of each request's drafts, the
+target verifies all admitted drafts of all requests in ONE flattened forward, and lossless rejection
+sampling keeps a prefix plus one correction/bonus token. Both KV caches are then rolled back to what was
+kept. Invariant between steps: each cache holds at most `num_tokens - 1` tokens of its request (the last
+token is fed by the next step), so a step's feed is always `tokens[cache_length:]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specverify import sampler
+from specverify.config import ConfigError, EngineConfig
+from specverify.engine.scheduler import Scheduler
+from specverify.engine.sequence import Request, RequestOutput
+from specverify.models.base import ModelRunner
+from specverify.sampling_params import SamplingParams
+
+# How many recent draft features stand for "the next step's drafts" when choosing the draft depth.
+_FEATURE_MEMORY = 512
+
+
+class PromptError(ValueError):
+    """The prompt is empty, too long for the model, or holds invalid token ids."""
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters (the server exports them; the benchmark reads them)."""
+
+    steps: int = 0
+    output_tokens: int = 0
+    drafted_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    verified_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    step_seconds_total: float = 0.0
+    planning_seconds_total: float = 0.0
+    last_step_seconds: float = 0.0
+    last_batch_size: int = 0
+    last_draft_depth: int = 0
+    last_verify_budget: int = 0
+
+    def count_slots(self, drafted: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+        self.drafted_tokens += int(drafted.sum())
+        self.verified_tokens += int(verified.sum())
+        self.accepted_tokens += int(accepted.sum())
+        depth = int(drafted.max(initial=0))
+        for counts, per_request in (
+            (self.drafted_per_position, drafted),
+            (self.verified_per_position, verified),
+            (self.accepted_per_position, accepted),
+        ):
+            if len(counts) < depth:
+                counts.extend([0] * (depth - len(counts)))
+            for k in range(depth):
+                counts[k] += int((per_request > k).sum())
+
+
+class LLMEngine:
+    """Speculative-decoding engine over two `ModelRunner`s (target and optional draft)."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        tokenizer,
+        config: EngineConfig | None = None,
+        draft: ModelRunner | None = None,
+        cost_model=None,
+        model_name: str = "target",
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.spec = self.config.speculative
+        if self.spec is not None and draft is None:
+            raise ConfigError("a speculative config needs a draft model runner")
+        if self.spec is None:
+            self.draft = None
+        if self.draft is not None and self.draft.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"draft and target vocabularies differ ({self.draft.vocab_size} vs {target.vocab_size} "
+                "tokens): speculative decoding needs a draft model with the target's tokenizer"
+            )
+        limits = [target.max_model_len] + ([self.draft.max_model_len] if self.draft is not None else [])
+        if self.config.max_model_len is not None:
+            limits.append(self.config.max_model_len)
+        self.max_model_len = min(limits)
+        self.eos_token_ids = self._eos_ids(tokenizer, target)
+        self.scheduler = Scheduler(self.config.max_num_seqs)
+        self.stats = EngineStats()
+        self._seed_source = np.random.SeedSequence(self.config.seed)
+        self.incremental_text = False  # the server turns this on to stream text deltas
+        self.estimator = None
+        self.planner = None
+        self.calibration = None
+        self.trace = None
+        self._recent_features: list[np.ndarray] = []
+        if self.spec is not None:
+            self._init_speculation(cost_model)
+
+    # ---- set-up -------------------------------------------------------------------------------------
+
+    def _init_speculation(self, cost_model) -> None:
+        from specverify.calibration import RollingCalibration
+        from specverify.estimator import AcceptanceEstimator
+
+        k = self.spec.num_speculative_tokens
+        try:
+            self.estimator = AcceptanceEstimator(k, **self.spec.estimator)
+        except TypeError as e:
+            raise ConfigError(f"bad estimator options {self.spec.estimator}: {e}") from e
+        if self.spec.estimator_state:
+            self.load_estimator_state(self.spec.estimator_state)
+        self.calibration = RollingCalibration()
+        if self.spec.enable_adaptive_verification:
+            from specverify.planner import AdaptivePlanner
+
+            if cost_model is None:
+                from specverify.cost_model import CostModel
+                from specverify.profiling import profile_runners
+
+                cost_model = CostModel.from_profile(profile_runners(self.target, self.draft))
+            self.planner = AdaptivePlanner(cost_model, k)
+        if self.config.record_trace:
+            from specverify.trace import TraceWriter
+
+            self.trace = TraceWriter(self.config.record_trace)
+
+    def load_estimator_state(self, path: str) -> None:
+        import json
+
+        with open(path) as f:
+            self.estimator.load_state_dict(json.load(f))
+
+    def save_estimator_state(self, path: str) -> None:
+        import json
+
+        if self.estimator is not None:
+            with open(path, "w") as f:
+                json.dump(self.estimator.state_dict(), f)
+
+    @staticmethod
+    def _eos_ids(tokenizer, target) -> set[int]:
+        ids = set(getattr(target, "eos_token_ids", ()) or ())
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+        return ids
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise PromptError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(
+                f"the prompt has {len(ids)} tokens but the model accepts at most {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len}, leaving room for one generated token)"
+            )
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise PromptError(f"prompt token ids out of range [0, {self.target.vocab_size}): {bad[:5]}")
+        for token in list(params.logit_bias) + list(params.banned_token_ids):
+            if not 0 <= int(token) < self.target.vocab_size:
+                raise ValueError(f"token id {token} in logit_bias/banned_token_ids is out of the vocabulary")
+        seed = params.seed if params.seed is not None else int(self._seed_source.spawn(1)[0].generate_state(1)[0])
+        request = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            params=params,
+            generator=torch.Generator().manual_seed(seed),
+            arrival_time=time.perf_counter(),
+        )
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.scheduler.remove(request_id)
+        if request is not None:
+            request.finished, request.finish_reason = True, "abort"
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.scheduler) > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        running = self.scheduler.schedule()
+        if not running:
+            return []
+        start = time.perf_counter()
+        depth = self._draft_depth(len(running))
+        if depth == 0:
+            new_tokens = self._plain_step(running)
+        else:
+            new_tokens = self._speculative_step(running, depth)
+        outputs = [self._emit(request, tokens) for request, tokens in zip(running, new_tokens, strict=True)]
+        self.scheduler.finish([r for r in running if r.finished])
+        elapsed = time.perf_counter() - start
+        stats = self.stats
+        stats.steps += 1
+        stats.step_seconds_total += elapsed
+        stats.last_step_seconds = elapsed
+        stats.last_batch_size = len(running)
+        stats.last_draft_depth = depth
+        return outputs
+
+    def _draft_depth(self, batch_size: int) -> int:
+        if self.spec is None:
+            return 0
+        k = self.spec.num_speculative_tokens
+        if self.planner is None:
+            return k
+        start = time.perf_counter()
+        depth = int(self.planner.choose_draft_depth(batch_size, self._expected_acceptance()))
+        self.stats.planning_seconds_total += time.perf_counter() - start
+        return depth
+
+    def _expected_acceptance(self) -> np.ndarray:
+        """Mean predicted acceptance per position over recently seen draft features (none seen: x = 0)."""
+        k = self.spec.num_speculative_tokens
+        recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros(1)
+        grid = np.repeat(recent[:, None], k, axis=1)
+        return self.estimator.predict(grid).mean(axis=0)
+
+    def _remember_features(self, features: np.ndarray) -> None:
+        seen = features[np.isfinite(features)]
+        if seen.size:
+            self._recent_features.append(seen)
+            total = sum(len(f) for f in self._recent_features)
+            while total - len(self._recent_features[0]) >= _FEATURE_MEMORY:
+                total -= len(self._recent_features.pop(0))
+
+    def _uniforms(self, requests: list[Request], n: int) -> torch.Tensor:
+        return torch.stack([torch.rand(n, generator=r.generator) for r in requests])
+
+    def _feeds(self, runner: ModelRunner, requests: list[Request]) -> list[list[int]]:
+        return [r.tokens[runner.cache_length(r.seq_id) :] for r in requests]
+
+    def _plain_step(self, running: list[Request]) -> list[list[int]]:
+        params = [r.params for r in running]
+        logits = self.target.forward([r.seq_id for r in running], self._feeds(self.target, running), [1] * len(running))
+        probs = sampler.probabilities(sampler.apply_target_transforms(logits, params), params)
+        tokens = sampler.sample(probs, self._uniforms(running, 1)[:, 0])
+        return [[t] for t in tokens.tolist()]
+
+    def _speculative_step(self, running: list[Request], depth: int) -> list[list[int]]:
+        r_count, vocab = len(running), self.target.vocab_size
+        # Never draft past what the request may still emit, nor past the context window.
+        caps = np.array([max(0, min(depth, r.remaining - 1, self.max_model_len - r.num_tokens)) for r in running])
+        draft_tokens = torch.zeros(r_count, depth, dtype=torch.long)
+        draft_probs = torch.zeros(r_count, depth, vocab)
+        features = np.full((r_count, depth), np.nan)
+        raw_qmax = np.full((r_count, depth), np.nan)
+        survival = np.ones((r_count, depth))
+        drafted = np.zeros(r_count, dtype=np.int64)
+        keep_going = np.ones(r_count, dtype=bool)
+        trace_features: dict[str, np.ndarray] | None = None
+        for k in range(depth):
+            active = np.flatnonzero((caps > k) & keep_going)
+            if active.size == 0:
+                break
+            reqs = [running[i] for i in active]
+            if k == 0:
+                feeds = self._feeds(self.draft, reqs)
+            else:
+                feeds = [[int(draft_tokens[i, k - 1])] for i in active]
+            logits = self.draft.forward([r.seq_id for r in reqs], feeds, [1] * len(reqs))
+            params = [r.params for r in reqs]
+            q = sampler.probabilities(logits, params)
+            tokens = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
+            idx = torch.from_numpy(active)
+            draft_tokens[idx, k] = tokens
+            draft_probs[idx, k] = q
+            drafted[active] += 1
+            features[active, k], raw_qmax[active, k] = self._slot_features(logits, params)
+            if self.trace is not None:
+                trace_features = self._trace_features(trace_features, logits, params, active, k, r_count, depth)
+            if self.planner is not None:
+                # Only distributions up to slot k (and so tokens before k) decide whether to draft k + 1.
+                start = time.perf_counter()
+                p = self.estimator.predict(features[active, : k + 1])[:, k]
+                survival[active, k] = (survival[active, k - 1] if k else 1.0) * p
+                keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
+                self.stats.planning_seconds_total += time.perf_counter() - start
+        survival[np.arange(depth)[None, :] >= drafted[:, None]] = 0.0
+
+        num_verified = self._admit(survival, drafted)
+        target_feeds = [
+            self._feeds(self.target, [r])[0] + draft_tokens[i, : num_verified[i]].tolist()
+            for i, r in enumerate(running)
+        ]
+        logits = self.target.forward([r.seq_id for r in running], target_feeds, (num_verified + 1).tolist())
+        row_params = [r.params for r, n in zip(running, num_verified, strict=True) for _ in range(n + 1)]
+        probs = sampler.probabilities(sampler.apply_target_transforms(logits, row_params), row_params)
+        target_probs = torch.zeros(r_count, depth + 1, vocab)
+        rows = torch.tensor([j for n in num_verified for j in range(n + 1)])
+        owners = torch.repeat_interleave(torch.arange(r_count), torch.from_numpy(num_verified + 1))
+        target_probs[owners, rows] = probs
+        uniforms = self._uniforms(running, depth + 1)
+        accepted, final = sampler.verify(
+            draft_tokens, draft_probs, target_probs, torch.from_numpy(num_verified), uniforms[:, :depth], uniforms[:, depth]
+        )
+        accepted_np = accepted.numpy()
+        self._learn(running, features, raw_qmax, drafted, num_verified, accepted_np, trace_features)
+
+        new_tokens = []
+        for i, request in enumerate(running):
+            a = int(accepted_np[i])
+            kept = request.num_tokens + a
+            self.target.truncate(request.seq_id, kept)
+            self.draft.truncate(request.seq_id, min(self.draft.cache_length(request.seq_id), kept))
+            new_tokens.append(draft_tokens[i, :a].tolist() + [int(final[i])])
+            request.metrics.add(int(drafted[i]), int(num_verified[i]), a)
+        return new_tokens
+
+    def _slot_features(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+        """logit(q_max) of the draft distribution at the request's temperature (greedy: 1), before top-p.
+
+        It looks at the draft *distribution* only, never at the token drawn from it (losslessness, §5).
+        """
+        from specverify.features import logit_qmax
+
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        x = logit_qmax(logits.float() / temps[:, None], temperature=1.0)
+        x = x.double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+        return x, 1.0 / (1.0 + np.exp(-x))
+
+    def _trace_features(self, acc, logits, params, active, k, r_count, depth) -> dict[str, np.ndarray]:
+        from specverify.features import all_features
+
+        p0 = params[0]
+        values = all_features(logits, temperature=p0.temperature or 1.0, top_p=p0.top_p, top_k=p0.top_k)
+        if acc is None:
+            acc = {name: np.full((r_count, depth), np.nan) for name in values}
+        for name, v in values.items():
+            acc[name][active, k] = v.double().numpy() if isinstance(v, torch.Tensor) else v
+        return acc
+
+    def _admit(self, survival: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+        if self.planner is None:
+            verified = drafted.copy()
+        else:
+            start = time.perf_counter()
+            verified = np.minimum(np.asarray(self.planner.admit(survival), dtype=np.int64), drafted)
+            self.stats.planning_seconds_total += time.perf_counter() - start
+        self.stats.last_verify_budget = int(verified.sum())
+        return verified
+
+    def _learn(self, running, features, raw_qmax, drafted, verified, accepted, trace_features) -> None:
+        start = time.perf_counter()
+        self.stats.count_slots(drafted, verified, accepted)
+        predictions = self.estimator.predict(features)
+        trains = np.array([not r.params.alters_target for r in running])
+        depth = features.shape[1]
+        slots = np.arange(depth)[None, :]
+        labelled = (slots < verified[:, None]) & (slots <= accepted[:, None]) & trains[:, None]
+        labels = (slots < accepted[:, None]).astype(np.float64)
+        self.calibration.update(predictions[labelled], labels[labelled], raw_qmax[labelled])
+        if trains.any():
+            self.estimator.observe(features[trains], verified[trains], accepted[trains])
+        self._remember_features(features)
+        if self.planner is not None:
+            self.planner.end_step(np.where(np.isfinite(features), np.cumprod(np.nan_to_num(predictions), axis=1), 0.0), verified)
+        self.stats.planning_seconds_total += time.perf_counter() - start
+        if self.trace is not None:
+            self.trace.write_step(
+                request_ids=[r.request_id for r in running],
+                step=self.stats.steps,
+                features=trace_features,
+                predictions=predictions,
+                num_drafted=drafted,
+                num_verified=verified,
+                num_accepted=accepted,
+                trains=trains,
+            )
+
+    # ---- output -------------------------------------------------------------------------------------
+
+    def _emit(self, request: Request, tokens: list[int]) -> RequestOutput:
+        appended = []
+        for token in tokens:
+            request.output_token_ids.append(token)
+            appended.append(token)
+            if token in self.eos_token_ids and not request.params.ignore_eos:
+                request.finished, request.finish_reason = True, "stop"
+            elif token in request.params.stop_token_ids:
+                request.finished, request.finish_reason = True, "stop"
+            elif request.remaining <= 0 or request.num_tokens >= self.max_model_len:
+                request.finished, request.finish_reason = True, "length"
+            if request.finished:
+                break
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        self.stats.output_tokens += len(appended)
+        if request.params.stop or request.finished or self.incremental_text:
+            self._update_text(request)
+        if request.finished:
+            self._release(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            new_token_ids=appended,
+            text=request.text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            metrics=request.metrics,
+        )
+
+    def _update_text(self, request: Request) -> None:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        for stop in request.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                text = text[:at]
+                if not request.finished:
+                    request.finished, request.finish_reason = True, "stop"
+        request.text = text
+
+    def _release(self, request: Request) -> None:
+        self.target.release(request.seq_id)
+        if self.draft is not None:
+            self.draft.release(request.seq_id)
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None

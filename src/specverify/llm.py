@@ -1,0 +1,147 @@
+"""The offline entry point: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
+from specverify.engine.llm_engine import LLMEngine
+from specverify.engine.sequence import RequestOutput
+from specverify.models.base import ModelRunner
+from specverify.sampling_params import SamplingParams
+
+
+@dataclass
+class LoadedModels:
+    target: ModelRunner
+    tokenizer: object
+    draft: ModelRunner | None
+    target_name: str
+    draft_name: str | None
+
+
+def resolve_model_path(path: str | None, default: str) -> Path:
+    from specverify.models import assets
+
+    if path is None:
+        return assets.default_target() if default == "target" else assets.default_draft()
+    return Path(path).expanduser()
+
+
+def load_models(
+    model: str | None = None,
+    draft_model: str | None = None,
+    speculative: bool = True,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+) -> LoadedModels:
+    """Load target (and draft, when speculating) runners plus the target's tokenizer; None = default pair."""
+    from specverify.models.loader import load_runner, model_name
+
+    target_path = resolve_model_path(model, "target")
+    target, tokenizer = load_runner(str(target_path), dtype=dtype, device=device, max_model_len=max_model_len)
+    draft = draft_name = None
+    if speculative:
+        draft_path = resolve_model_path(draft_model, "draft")
+        draft, draft_tokenizer = load_runner(str(draft_path), dtype=dtype, device=device, max_model_len=max_model_len)
+        check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+        draft_name = model_name(str(draft_path))
+    return LoadedModels(target, tokenizer, draft, model_name(str(target_path)), draft_name)
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target: ModelRunner, draft: ModelRunner) -> None:
+    if target.vocab_size != draft.vocab_size or target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ConfigError(
+            f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size} logits, "
+            f"{len(draft_tokenizer)} vs {len(target_tokenizer)} tokenizer entries): the draft model must share "
+            "the target's tokenizer"
+        )
+
+
+class LLM:
+    """Load a target (and a draft model for speculation) and generate text in batches.
+
+    `speculative_config` follows vLLM: {"method": "draft_model", "model": PATH, "num_speculative_tokens": 5,
+    "enable_adaptive_verification": true}. `model=None` / `"model": None` use the default pair.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: dict | str | SpeculativeConfig | None = None,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        record_trace: str | None = None,
+        models: LoadedModels | None = None,
+        cost_model=None,
+    ) -> None:
+        spec = SpeculativeConfig.from_any(speculative_config)
+        config = EngineConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed, speculative=spec, record_trace=record_trace
+        )
+        self.models = models or load_models(
+            model, spec.model if spec else None, spec is not None, dtype, device, max_model_len
+        )
+        self.tokenizer = self.models.tokenizer
+        self.engine = LLMEngine(
+            self.models.target,
+            self.tokenizer,
+            config,
+            draft=self.models.draft,
+            cost_model=cost_model,
+            model_name=self.models.target_name,
+        )
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return self._run([self.encode(p) for p in prompts], params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.apply_chat_template(c) for c in conversations]
+        return self._run(ids, [sampling_params or SamplingParams()] * len(ids), use_tqdm)
+
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        order = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[rid] for rid in order]

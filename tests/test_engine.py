@@ -1,0 +1,175 @@
+"""Engine behaviour on toy models: batching, stopping, KV rollback, and clear errors for bad input."""
+
+import pytest
+import torch
+
+from exact import VOCAB, toy_pair
+from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
+from specverify.engine.llm_engine import LLMEngine, PromptError
+from specverify.models.toy import ToyRunner, ToyTokenizer
+from specverify.sampling_params import SamplingParams
+
+
+def make_engine(k: int | None = 3, max_num_seqs: int = 8, eos: int | None = None, max_model_len: int = 4096):
+    target_fn, draft_fn = toy_pair()
+    target = ToyRunner(VOCAB, target_fn, max_model_len=max_model_len)
+    draft = ToyRunner(VOCAB, draft_fn, max_model_len=max_model_len)
+    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    engine = LLMEngine(target, ToyTokenizer(VOCAB, eos), EngineConfig(max_num_seqs=max_num_seqs, speculative=spec), draft=draft)
+    return engine, target, draft
+
+
+def run_all(engine):
+    outs = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return outs, steps
+
+
+def test_caches_hold_all_but_the_last_token_between_steps() -> None:
+    engine, target, draft = make_engine(k=4)
+    rid = engine.add_request([0, 1, 2], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3))
+    request = engine.scheduler.waiting[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not request.finished:
+            assert target.cache_length(request.seq_id) == request.num_tokens - 1
+            assert draft.cache_length(request.seq_id) <= request.num_tokens - 1
+            # The rolled-back cache must hold exactly the request's tokens, never a rejected draft.
+            assert target.caches[request.seq_id] == request.tokens[:-1]
+            assert draft.caches[request.seq_id] == request.tokens[: draft.cache_length(request.seq_id)]
+    assert rid and len(request.output_token_ids) == 40
+
+
+def test_continuous_batching_respects_max_num_seqs_and_finishes_everyone() -> None:
+    engine, _, _ = make_engine(k=2, max_num_seqs=3)
+    ids = [engine.add_request([1, 2], SamplingParams(max_tokens=5 + i, ignore_eos=True)) for i in range(7)]
+    seen_running = []
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        seen_running.append(engine.stats.last_batch_size)
+    assert max(seen_running) == 3
+    assert [len(outs[r].output_token_ids) for r in ids] == [5 + i for i in range(7)]
+    assert all(outs[r].finish_reason == "length" for r in ids)
+
+
+def test_same_seed_same_output_with_or_without_speculation_for_greedy() -> None:
+    spec_engine, _, _ = make_engine(k=3)
+    plain_engine, _, _ = make_engine(k=None)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    a = spec_engine.add_request([3, 1], params)
+    b = plain_engine.add_request([3, 1], params)
+    assert run_all(spec_engine)[0][a].output_token_ids == run_all(plain_engine)[0][b].output_token_ids
+
+
+def test_eos_stops_and_is_kept_last() -> None:
+    engine, _, _ = make_engine(k=3, eos=4)
+    ids = [engine.add_request([0, 1], SamplingParams(temperature=1.0, max_tokens=50, seed=s)) for s in range(20)]
+    outs, _ = run_all(engine)
+    stopped = [outs[i] for i in ids if outs[i].finish_reason == "stop"]
+    assert stopped, "with 5 tokens and 50 steps some request must draw EOS"
+    for out in stopped:
+        assert out.output_token_ids[-1] == 4 and 4 not in out.output_token_ids[:-1]
+
+
+def test_stop_string_truncates_text() -> None:
+    engine, _, _ = make_engine(k=3)
+    rid = engine.add_request([0, 1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["t"]))
+    out = run_all(engine)[0][rid]
+    assert out.finish_reason == "stop" and out.text == ""
+
+
+def test_speculation_takes_fewer_steps_than_plain_decoding() -> None:
+    spec_engine, _, _ = make_engine(k=4)
+    plain_engine, _, _ = make_engine(k=None)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    spec_engine.add_request([2, 2], params)
+    plain_engine.add_request([2, 2], params)
+    assert run_all(spec_engine)[1] < run_all(plain_engine)[1] == 30
+
+
+def test_abort_releases_caches() -> None:
+    engine, target, draft = make_engine(k=2)
+    rid = engine.add_request([0, 1], SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.abort_request(rid)
+    assert not engine.has_unfinished_requests() and not target.caches and not draft.caches
+
+
+def test_context_window_ends_generation_with_length() -> None:
+    engine, _, _ = make_engine(k=4, max_model_len=12)
+    rid = engine.add_request([0] * 8, SamplingParams(max_tokens=100, ignore_eos=True))
+    out = run_all(engine)[0][rid]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.output_token_ids) == 12
+
+
+@pytest.mark.parametrize(
+    "prompt, error",
+    [([], "empty"), ([0] * 20, "at most"), ([0, 99], "out of range")],
+)
+def test_bad_prompts_raise_clear_errors(prompt, error) -> None:
+    engine, _, _ = make_engine(max_model_len=16)
+    with pytest.raises(PromptError, match=error):
+        engine.add_request(prompt, SamplingParams())
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_sampling_params_raise(kwargs, error) -> None:
+    with pytest.raises(ValueError, match=error):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "config, error",
+    [
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": "5"}, "num_speculative_tokens"),
+        ({"method": "eagle"}, "not supported"),
+        ({"enable_adaptive_verification": "yes"}, "true or false"),
+        ({"speculative_tokens": 5}, "unknown"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_bad_speculative_configs_raise(config, error) -> None:
+    with pytest.raises(ConfigError, match=error):
+        SpeculativeConfig.from_any(config)
+
+
+def test_vocabulary_mismatch_is_refused() -> None:
+    target_fn, _ = toy_pair()
+    target = ToyRunner(VOCAB, target_fn)
+    draft = ToyRunner(VOCAB + 1, lambda ctx: torch.zeros(VOCAB + 1))
+    with pytest.raises(ConfigError, match="vocabularies differ"):
+        LLMEngine(target, ToyTokenizer(VOCAB), EngineConfig(speculative=SpeculativeConfig()), draft=draft)
+
+
+def test_requests_with_logit_bias_do_not_train_the_estimator() -> None:
+    engine, _, _ = make_engine(k=3)
+    before = engine.estimator.state_dict()
+    for s in range(5):
+        engine.add_request([0, 1], SamplingParams(max_tokens=20, ignore_eos=True, seed=s, logit_bias={2: 3.0}))
+    run_all(engine)
+    assert engine.stats.verified_tokens > 0
+    assert engine.estimator.state_dict() == before
