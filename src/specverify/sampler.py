@@ -66,22 +66,20 @@ def _apply_top_k(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
 def _apply_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """Keep the smallest prefix of tokens (by descending probability) whose mass reaches top_p."""
-    out = probs.clone()
-    vocab = probs.shape[1]
+    n, vocab = probs.shape
+    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
     probe = min(_TOP_P_PROBE, vocab)
     values, indices = torch.topk(probs, probe, dim=-1)
-    for row, tp in enumerate(top_p):
-        if tp >= 1.0:
-            continue
-        v, i = values[row], indices[row]
-        if float(v.sum()) < tp and probe < vocab:
-            v, i = torch.sort(probs[row], descending=True)
-        # A token stays if the mass strictly before it is below top_p.
-        before = torch.cumsum(v, 0) - v
-        keep = i[before < tp]
-        mask = torch.ones(vocab, dtype=torch.bool, device=probs.device)
-        mask[keep] = False
-        out[row].masked_fill_(mask, 0.0)
+    # Rows whose top-p set may extend past the probe are sorted in full (rare for real models).
+    wide = (values.sum(dim=-1) < limit[:, 0]) & (limit[:, 0] < 1.0)
+    if probe < vocab and wide.any():
+        values, indices = torch.sort(probs, dim=-1, descending=True)
+    # A token stays if the mass strictly before it is below top_p (rows with top_p = 1 keep all).
+    before = torch.cumsum(values, dim=-1) - values
+    kept = torch.where(before < limit, values, torch.zeros_like(values))
+    out = torch.where(limit < 1.0, torch.zeros_like(probs), probs)
+    rows = (limit[:, 0] < 1.0).nonzero().squeeze(1)
+    out[rows] = out[rows].scatter(1, indices[rows], kept[rows])
     return out / out.sum(dim=-1, keepdim=True)
 
 

@@ -26,10 +26,22 @@ from specverify.sampling_params import SamplingParams
 
 # How many recent draft features stand for "the next step's drafts" when choosing the draft depth.
 _FEATURE_MEMORY = 512
+# Labels the estimator must have seen before the planner may leave drafts unverified.
+_WARMUP_LABELS = 200
 
 
 class PromptError(ValueError):
     """The prompt is empty, too long for the model, or holds invalid token ids."""
+
+
+@dataclass
+class StepTiming:
+    """Measured times of one speculative step, fed back to the cost model."""
+
+    target_tokens: int
+    target_seconds: float
+    draft_forwards: list[tuple[int, float]]
+    context_tokens: int
 
 
 @dataclass
@@ -217,7 +229,7 @@ class LLMEngine:
         if not running:
             return []
         start = time.perf_counter()
-        depth = self._draft_depth(len(running))
+        depth = self._draft_depth(running)
         if depth == 0:
             new_tokens = self._plain_step(running)
         else:
@@ -233,14 +245,15 @@ class LLMEngine:
         stats.last_draft_depth = depth
         return outputs
 
-    def _draft_depth(self, batch_size: int) -> int:
+    def _draft_depth(self, running: list[Request]) -> int:
         if self.spec is None:
             return 0
         k = self.spec.num_speculative_tokens
         if self.planner is None:
             return k
         start = time.perf_counter()
-        depth = int(self.planner.choose_draft_depth(batch_size, self._expected_acceptance()))
+        context = sum(r.num_tokens for r in running)
+        depth = int(self.planner.choose_draft_depth(len(running), self._expected_acceptance(), context))
         self.stats.planning_seconds_total += time.perf_counter() - start
         return depth
 
@@ -267,9 +280,15 @@ class LLMEngine:
 
     def _plain_step(self, running: list[Request]) -> list[list[int]]:
         params = [r.params for r in running]
-        logits = self.target.forward([r.seq_id for r in running], self._feeds(self.target, running), [1] * len(running))
+        feeds = self._feeds(self.target, running)
+        start = time.perf_counter()
+        logits = self.target.forward([r.seq_id for r in running], feeds, [1] * len(running))
         probs = sampler.probabilities(sampler.apply_target_transforms(logits, params), params)
         tokens = sampler.sample(probs, self._uniforms(running, 1)[:, 0])
+        if self.planner is not None:
+            # Plain steps keep the target's cost curve fresh too (speculation may be off at this load).
+            context = sum(r.num_tokens for r in running)
+            self.planner.cost.observe_target(sum(map(len, feeds)), time.perf_counter() - start, context)
         return [[t] for t in tokens.tolist()]
 
     def _speculative_step(self, running: list[Request], depth: int) -> list[list[int]]:
@@ -284,7 +303,9 @@ class LLMEngine:
         drafted = np.zeros(r_count, dtype=np.int64)
         keep_going = np.ones(r_count, dtype=bool)
         trace_features: dict[str, np.ndarray] | None = None
+        draft_timings: list[tuple[int, float]] = []
         for k in range(depth):
+            draft_start = time.perf_counter()
             active = np.flatnonzero((caps > k) & keep_going)
             if active.size == 0:
                 break
@@ -311,6 +332,7 @@ class LLMEngine:
                 survival[active, k] = (survival[active, k - 1] if k else 1.0) * p
                 keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
                 self.stats.planning_seconds_total += time.perf_counter() - start
+            draft_timings.append((len(reqs), time.perf_counter() - draft_start))
         survival[np.arange(depth)[None, :] >= drafted[:, None]] = 0.0
 
         num_verified = self._admit(survival, drafted)
@@ -318,6 +340,7 @@ class LLMEngine:
             self._feeds(self.target, [r])[0] + draft_tokens[i, : num_verified[i]].tolist()
             for i, r in enumerate(running)
         ]
+        verify_start = time.perf_counter()
         logits = self.target.forward([r.seq_id for r in running], target_feeds, (num_verified + 1).tolist())
         row_params = [r.params for r, n in zip(running, num_verified, strict=True) for _ in range(n + 1)]
         probs = sampler.probabilities(sampler.apply_target_transforms(logits, row_params), row_params)
@@ -330,14 +353,21 @@ class LLMEngine:
             draft_tokens, draft_probs, target_probs, torch.from_numpy(num_verified), uniforms[:, :depth], uniforms[:, depth]
         )
         accepted_np = accepted.numpy()
-        self._learn(running, features, raw_qmax, drafted, num_verified, accepted_np, trace_features)
+        timing = StepTiming(
+            target_tokens=sum(len(f) for f in target_feeds),
+            target_seconds=time.perf_counter() - verify_start,
+            draft_forwards=draft_timings,
+            context_tokens=sum(r.num_tokens for r in running),
+        )
+        self._learn(running, features, raw_qmax, drafted, num_verified, accepted_np, trace_features, timing)
 
         new_tokens = []
         for i, request in enumerate(running):
             a = int(accepted_np[i])
             kept = request.num_tokens + a
             self.target.truncate(request.seq_id, kept)
-            self.draft.truncate(request.seq_id, min(self.draft.cache_length(request.seq_id), kept))
+            if self.draft.cache_length(request.seq_id) > kept:
+                self.draft.truncate(request.seq_id, kept)
             new_tokens.append(draft_tokens[i, :a].tolist() + [int(final[i])])
             request.metrics.add(int(drafted[i]), int(num_verified[i]), a)
         return new_tokens
@@ -350,15 +380,19 @@ class LLMEngine:
         from specverify.features import logit_qmax
 
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        x = logit_qmax(logits.float() / temps[:, None], temperature=1.0)
+        x = logit_qmax(logits.float() / temps[:, None], temperature=1.0, scratch=True)
         x = x.double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
         return x, 1.0 / (1.0 + np.exp(-x))
 
     def _trace_features(self, acc, logits, params, active, k, r_count, depth) -> dict[str, np.ndarray]:
         from specverify.features import all_features
 
-        p0 = params[0]
-        values = all_features(logits, temperature=p0.temperature or 1.0, top_p=p0.top_p, top_k=p0.top_k)
+        values = all_features(
+            logits,
+            temperature=[p.temperature for p in params],
+            top_p=[p.top_p for p in params],
+            top_k=[p.top_k for p in params],
+        )
         if acc is None:
             acc = {name: np.full((r_count, depth), np.nan) for name in values}
         for name, v in values.items():
@@ -366,7 +400,9 @@ class LLMEngine:
         return acc
 
     def _admit(self, survival: np.ndarray, drafted: np.ndarray) -> np.ndarray:
-        if self.planner is None:
+        if self.planner is None or self.estimator.n_observed_ < _WARMUP_LABELS:
+            # Warm-up verifies whole drafts: labels trimmed by a still-uninformed estimator would be
+            # censored, and a pessimistic prior could then never learn it was wrong.
             verified = drafted.copy()
         else:
             start = time.perf_counter()
@@ -375,7 +411,7 @@ class LLMEngine:
         self.stats.last_verify_budget = int(verified.sum())
         return verified
 
-    def _learn(self, running, features, raw_qmax, drafted, verified, accepted, trace_features) -> None:
+    def _learn(self, running, features, raw_qmax, drafted, verified, accepted, trace_features, timing) -> None:
         start = time.perf_counter()
         self.stats.count_slots(drafted, verified, accepted)
         predictions = self.estimator.predict(features)
@@ -389,7 +425,15 @@ class LLMEngine:
             self.estimator.observe(features[trains], verified[trains], accepted[trains])
         self._remember_features(features)
         if self.planner is not None:
-            self.planner.end_step(np.where(np.isfinite(features), np.cumprod(np.nan_to_num(predictions), axis=1), 0.0), verified)
+            survival = np.where(np.isfinite(features), np.cumprod(np.nan_to_num(predictions), axis=1), 0.0)
+            self.planner.end_step(
+                survival,
+                verified,
+                target_tokens=timing.target_tokens,
+                target_seconds=timing.target_seconds,
+                draft_forwards=timing.draft_forwards,
+                context_tokens=timing.context_tokens,
+            )
         self.stats.planning_seconds_total += time.perf_counter() - start
         if self.trace is not None:
             self.trace.write_step(
