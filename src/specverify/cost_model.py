@@ -1,0 +1,327 @@
+"""Step-time cost model: how long one target forward over N flattened tokens, and one draft forward over a
+batch of B tokens, take on this machine.
+
+Start-up profile (see `profiling.py`) -> monotone piecewise-linear curve over the profiled token counts
+(linear extrapolation beyond the last one). Refined online from measured forwards:
+
+    predicted(n) = cummax_over_anchors( profile(anchor) * exp(g + r[anchor]) ) interpolated at n
+                   [+ beta * (context_tokens - context_ref)  for the target, when the context term is on]
+
+- `g` is a global log-correction: an exponential moving average of log(measured / profile) over *all*
+  observations. A uniform slow-down seen at any budget moves every budget, including ones never chosen,
+  so there is no dead spot.
+- `r[anchor]` is a per-anchor residual: a moving average of the log-ratio's excess over `g` at that anchor
+  (an observation between two anchors feeds both with its interpolation weights).
+- Each observation's log-ratio is clipped to +-`clip` around the current prediction before it enters the
+  averages, so one 10x outlier moves the prediction by a couple of percent at most.
+- The first `warmup` observations of each curve are ignored (lazy initialisation, allocator warm-up).
+- Context term: an exponentially weighted regression of the residual seconds on the context size (centred
+  on its moving average), used only once it explains a fraction of the residual variance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+ArrayLike = int | float | np.ndarray
+
+
+def _isotonic(y: np.ndarray) -> np.ndarray:
+    """Least-squares non-decreasing fit (pool adjacent violators): a noisy profile point is averaged with
+    its neighbours instead of lifting every larger count, as a running maximum would."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in y.tolist():
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return np.concatenate([np.full(int(c), s / c) for s, c in blocks])
+
+
+class _Curve:
+    """One monotone time curve (target or draft) with online multiplicative correction."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seconds: np.ndarray,
+        *,
+        alpha_global: float,
+        alpha_bucket: float,
+        clip: float,
+        warmup: int,
+    ) -> None:
+        x = np.asarray(tokens, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        if x.ndim != 1 or x.shape != y.shape or x.size == 0:
+            raise ValueError("a cost curve needs matching 1-D token counts and times")
+        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))) or np.any(x <= 0) or np.any(y <= 0):
+            raise ValueError("token counts and times must be finite and positive")
+        order = np.argsort(x, kind="stable")
+        x, y = x[order], y[order]
+        # Duplicate counts: average them (np.interp needs strictly increasing anchors).
+        ux, inv = np.unique(x, return_inverse=True)
+        uy = np.bincount(inv, weights=y) / np.bincount(inv)
+        self.x = ux
+        self.base = _isotonic(uy)
+        self.log_base = np.log(self.base)
+        self.resid = np.zeros_like(self.x)
+        self.g = 0.0
+        self.n_obs = 0
+        self.alpha_global = alpha_global
+        self.alpha_bucket = alpha_bucket
+        self.clip = clip
+        self.warmup = warmup
+        self._refresh()
+
+    # -- prediction ------------------------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        # Corrected anchors, kept monotone: more tokens never predicted cheaper.
+        self.y = np.maximum.accumulate(self.base * np.exp(self.g + self.resid))
+        if self.x.size > 1:
+            self.slope_hi = max(0.0, (self.y[-1] - self.y[-2]) / (self.x[-1] - self.x[-2]))
+        else:
+            self.slope_hi = self.y[0] / self.x[0]  # one anchor: assume proportional beyond it
+
+    def predict(self, n: ArrayLike) -> ArrayLike:
+        scalar = np.ndim(n) == 0
+        n_arr = np.asarray(n, dtype=np.float64)
+        # Below the first anchor: flat (a forward has a fixed cost); above the last: linear.
+        out = np.interp(n_arr, self.x, self.y) + self.slope_hi * np.maximum(n_arr - self.x[-1], 0.0)
+        out = np.where(n_arr > 0, out, 0.0)  # nothing to run costs nothing
+        return float(out) if scalar else out
+
+    def _weights(self, n: float) -> tuple[int, int, float]:
+        """Anchors bracketing n and the weight of the upper one (clamped at both ends)."""
+        if n <= self.x[0]:
+            return 0, 0, 0.0
+        if n >= self.x[-1]:
+            last = self.x.size - 1
+            return last, last, 0.0
+        hi = int(np.searchsorted(self.x, n, side="right"))
+        lo = hi - 1
+        return lo, hi, float((n - self.x[lo]) / (self.x[hi] - self.x[lo]))
+
+    def base_log(self, n: float) -> float:
+        """log of the uncorrected profile at n (extrapolated like the prediction)."""
+        if n > self.x[-1] and self.x.size > 1:
+            slope = max(0.0, (self.base[-1] - self.base[-2]) / (self.x[-1] - self.x[-2]))
+            return math.log(self.base[-1] + slope * (n - self.x[-1]))
+        if n > self.x[-1]:
+            return math.log(self.base[0] * n / self.x[0])
+        return math.log(float(np.interp(n, self.x, self.base)))
+
+    # -- online refinement -----------------------------------------------------------------------------
+
+    def observe(self, n: float, seconds: float) -> bool:
+        """Feed one measured forward; returns whether it was used."""
+        if not (n > 0 and math.isfinite(seconds) and seconds > 0):
+            return False
+        self.n_obs += 1
+        if self.n_obs <= self.warmup:
+            return False
+        lo, hi, w = self._weights(n)
+        r_n = (1.0 - w) * self.resid[lo] + w * self.resid[hi]
+        log_ratio = math.log(seconds) - self.base_log(n)
+        predicted = self.g + r_n
+        # Robustness: an outlier can only pull by `clip` (in log space) around the current prediction.
+        clipped = predicted + min(max(log_ratio - predicted, -self.clip), self.clip)
+        g_old = self.g
+        self.g += self.alpha_global * (clipped - self.g)
+        # Residuals learn what is specific to this budget, relative to the (old) global level.
+        if lo == hi:
+            self.resid[lo] += self.alpha_bucket * (clipped - g_old - self.resid[lo])
+        else:
+            self.resid[lo] += self.alpha_bucket * (1.0 - w) * (clipped - g_old - self.resid[lo])
+            self.resid[hi] += self.alpha_bucket * w * (clipped - g_old - self.resid[hi])
+        self._refresh()
+        return True
+
+    # -- persistence -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.x.tolist(),
+            "base": self.base.tolist(),
+            "resid": self.resid.tolist(),
+            "g": self.g,
+            "n_obs": self.n_obs,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], **params: Any) -> _Curve:
+        curve = cls(np.asarray(d["tokens"]), np.asarray(d["base"]), **params)
+        curve.resid = np.asarray(d.get("resid", np.zeros(curve.x.size)), dtype=np.float64)
+        curve.g = float(d.get("g", 0.0))
+        curve.n_obs = int(d.get("n_obs", 0))
+        curve._refresh()
+        return curve
+
+
+class CostModel:
+    """Predicted seconds of a target forward (by flattened token count) and of a draft forward (by batch).
+
+    Build with `CostModel.from_profile(profile)`; refine with `observe_target` / `observe_draft`.
+    `target_time` and `draft_time` accept an int or an array of counts (vectorised for the planner).
+    """
+
+    def __init__(
+        self,
+        target_tokens: np.ndarray | list[float],
+        target_seconds: np.ndarray | list[float],
+        draft_tokens: np.ndarray | list[float] | None = None,
+        draft_seconds: np.ndarray | list[float] | None = None,
+        *,
+        alpha_global: float = 0.05,
+        alpha_bucket: float = 0.05,
+        clip: float = 0.2,
+        warmup: int = 3,
+        fit_context: bool = True,
+        context_alpha: float = 0.02,
+        context_min_r2: float = 0.1,
+        context_min_obs: int = 30,
+    ) -> None:
+        self._params = dict(alpha_global=alpha_global, alpha_bucket=alpha_bucket, clip=clip, warmup=warmup)
+        self.target = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **self._params)
+        self.draft = (
+            None
+            if draft_tokens is None
+            else _Curve(np.asarray(draft_tokens), np.asarray(draft_seconds), **self._params)
+        )
+        # Context term state (target only).
+        self.fit_context = fit_context
+        self.context_alpha = context_alpha
+        self.context_min_r2 = context_min_r2
+        self.context_min_obs = context_min_obs
+        self.context_ref = 0.0
+        self.context_coef = 0.0  # seconds per context token, relative to context_ref
+        self._ctx_n = 0
+        self._sxx = self._sxy = self._syy = 0.0
+
+    # -- construction ----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_profile(cls, profile: dict[str, Any], **kwargs: Any) -> CostModel:
+        """From `profiling.profile_runners`' dict: {"target": {"tokens", "seconds"}, "draft": ... | None}."""
+        t = profile["target"]
+        d = profile.get("draft")
+        return cls(
+            t["tokens"],
+            t["seconds"],
+            None if d is None else d["tokens"],
+            None if d is None else d["seconds"],
+            **kwargs,
+        )
+
+    # -- prediction ------------------------------------------------------------------------------------
+
+    def target_time(self, num_tokens: ArrayLike, context_tokens: ArrayLike = 0) -> ArrayLike:
+        """Seconds for one target forward over `num_tokens` flattened tokens; `context_tokens` (total KV
+        length attended to) adds the fitted context term when one is active."""
+        t = self.target.predict(num_tokens)
+        if self.context_coef != 0.0 and np.any(np.asarray(context_tokens) != 0):
+            extra = self.context_coef * (np.asarray(context_tokens, dtype=np.float64) - self.context_ref)
+            # Never below half the context-free prediction: the term is a correction, not the model.
+            t = np.maximum(t + extra, 0.5 * np.asarray(t))
+            t = float(t) if np.ndim(t) == 0 else t
+        return t
+
+    def draft_time(self, batch_tokens: ArrayLike) -> ArrayLike:
+        """Seconds for one draft forward over `batch_tokens` tokens (0 when there is no draft profile)."""
+        if self.draft is None:
+            return 0.0 if np.ndim(batch_tokens) == 0 else np.zeros(np.shape(batch_tokens))
+        return self.draft.predict(batch_tokens)
+
+    # -- online refinement -----------------------------------------------------------------------------
+
+    def observe_target(self, num_tokens: int, seconds: float, context_tokens: int = 0) -> None:
+        """Feed the measured time of one target forward."""
+        if self.fit_context and context_tokens > 0 and self.target.n_obs >= self.target.warmup:
+            self._observe_context(num_tokens, seconds, float(context_tokens))
+            # The multiplicative curve learns context-normalised times, so the two parts do not fight.
+            if self.context_coef != 0.0:
+                seconds = seconds - self.context_coef * (context_tokens - self.context_ref)
+                seconds = max(seconds, 0.5 * float(self.target.predict(num_tokens)))
+        self.target.observe(float(num_tokens), float(seconds))
+
+    def observe_draft(self, batch_tokens: int, seconds: float) -> None:
+        """Feed the measured time of one draft forward."""
+        if self.draft is not None:
+            self.draft.observe(float(batch_tokens), float(seconds))
+
+    def _observe_context(self, num_tokens: int, seconds: float, context: float) -> None:
+        a = self.context_alpha
+        self._ctx_n += 1
+        self.context_ref = (
+            context if self._ctx_n == 1 else self.context_ref + a * (context - self.context_ref)
+        )
+        x = context - self.context_ref
+        y = seconds - float(self.target.predict(num_tokens))
+        self._sxx += a * (x * x - self._sxx)
+        self._sxy += a * (x * y - self._sxy)
+        self._syy += a * (y * y - self._syy)
+        coef = 0.0
+        if self._ctx_n >= self.context_min_obs and self._sxx > 0 and self._syy > 0:
+            r2 = self._sxy * self._sxy / (self._sxx * self._syy)
+            if r2 >= self.context_min_r2 and self._sxy > 0:  # more context never makes a step faster
+                coef = self._sxy / self._sxx
+        self.context_coef = coef
+
+    # -- persistence -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "params": dict(self._params),
+            "target": self.target.to_dict(),
+            "draft": None if self.draft is None else self.draft.to_dict(),
+            "context": {
+                "fit": self.fit_context,
+                "alpha": self.context_alpha,
+                "min_r2": self.context_min_r2,
+                "min_obs": self.context_min_obs,
+                "ref": self.context_ref,
+                "coef": self.context_coef,
+                "n": self._ctx_n,
+                "sxx": self._sxx,
+                "sxy": self._sxy,
+                "syy": self._syy,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
+        params = d.get("params", {})
+        ctx = d.get("context", {})
+        model = cls(
+            d["target"]["tokens"],
+            d["target"]["base"],
+            None if d.get("draft") is None else d["draft"]["tokens"],
+            None if d.get("draft") is None else d["draft"]["base"],
+            **params,
+            fit_context=ctx.get("fit", True),
+            context_alpha=ctx.get("alpha", 0.02),
+            context_min_r2=ctx.get("min_r2", 0.1),
+            context_min_obs=ctx.get("min_obs", 30),
+        )
+        model.target = _Curve.from_dict(d["target"], **model._params)
+        if d.get("draft") is not None:
+            model.draft = _Curve.from_dict(d["draft"], **model._params)
+        model.context_ref = float(ctx.get("ref", 0.0))
+        model.context_coef = float(ctx.get("coef", 0.0))
+        model._ctx_n = int(ctx.get("n", 0))
+        model._sxx = float(ctx.get("sxx", 0.0))
+        model._sxy = float(ctx.get("sxy", 0.0))
+        model._syy = float(ctx.get("syy", 0.0))
+        return model
+
+    def __repr__(self) -> str:
+        return (
+            f"CostModel(target 1 tok {self.target_time(1) * 1e3:.1f} ms, 32 tok {self.target_time(32) * 1e3:.1f} ms; "
+            f"draft 1 seq {self.draft_time(1) * 1e3:.1f} ms)"
+        )

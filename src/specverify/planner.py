@@ -1,0 +1,309 @@
+"""Adaptive-verification planner: how deep to draft, when to stop drafting a request, which drafts to verify.
+
+Notation for one step with R running requests: p[r, k] = P(accept slot k | slots < k accepted) from the
+estimator; survival s[r, k] = prod_{i<=k} p[r, i] = P(slot k is accepted). Verifying a set S of slots
+yields R + sum_{(r,k) in S} s[r,k] expected tokens (every request gets one target token) and costs
+D * draft_time(R) + target_time(R + |S|). The planner maximises expected tokens per second.
+
+LOSSLESSNESS (DESIGN §5). Whether slot k of request r is verified may depend on the prefix and on draft
+distributions up to k (hence on s[r, <=k]) and on other requests, but never on the token drafted at k,
+i.e. never on s[r, j > k]. So:
+- `admit` uses a survival threshold `tau` fixed before this step's drafts: (r, k) is verified iff
+  s[r, k] >= tau (and every earlier slot of r is). That reads s[r, <=k] only.
+- `tau` is computed from *previous* steps' survivals (kept in a short history), the cost model and this
+  step's R and depth, all known before drafting. Choosing the budget by maximising over THIS step's
+  survivals would let s[r, k+1] (a function of the token at k) decide whether k is verified.
+- `top_b_prefix` (fixed budget B, global top-B) is lossless too, because s is non-increasing along a
+  request and ties are broken by position, so later slots of r never outrank (r, k).
+- `should_continue` (stop drafting r after slot k) reads s[r, <=k] and earlier steps only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from specverify.cost_model import CostModel
+
+
+def survival(p: np.ndarray) -> np.ndarray:
+    """Cumulative product of acceptance probabilities along the last axis; NaN (not drafted) counts as 0,
+    so every slot after an undrafted one has survival 0. Probabilities are clipped to [0, 1]."""
+    p = np.clip(np.nan_to_num(np.asarray(p, dtype=np.float64), nan=0.0), 0.0, 1.0)
+    return np.cumprod(p, axis=-1)
+
+
+def top_b_prefix(survival: np.ndarray, budget: int) -> np.ndarray:
+    """Verified slots per request for a global top-`budget` by survival, ties broken by position first
+    (so (r, k) always ranks above (r, k+1)) then by request. Returns a prefix length per request.
+
+    Lossless only if `budget` was fixed before this step's drafts (see the module docstring)."""
+    s = np.nan_to_num(np.asarray(survival, dtype=np.float64), nan=0.0)
+    if s.ndim != 2 or s.size == 0 or budget <= 0:
+        return np.zeros(s.shape[0] if s.ndim == 2 else 0, dtype=np.int64)
+    # Make survivals non-increasing along each request (estimates are, up to rounding) so that the
+    # ranking of (r, k) can never depend on a later slot of the same request.
+    s = np.minimum.accumulate(s, axis=1)
+    r_count, depth = s.shape
+    rows = np.repeat(np.arange(r_count), depth)
+    cols = np.tile(np.arange(depth), r_count)
+    order = np.lexsort((rows, cols, -s.ravel()))  # primary: survival desc; then position; then request
+    chosen = np.zeros(s.size, dtype=bool)
+    top = order[: min(int(budget), s.size)]
+    chosen[top] = s.ravel()[top] > 0.0
+    return np.cumprod(chosen.reshape(r_count, depth), axis=1).sum(axis=1)
+
+
+class AdaptivePlanner:
+    """Per-step decisions of adaptive verification, driven by a `CostModel`.
+
+    Engine protocol per step: `choose_draft_depth(R, expected_p)` (0 = no speculation this step) ->
+    draft, calling `should_continue(s[:, k], k + 1)` after each draft forward -> `admit(s)` -> target
+    forward -> `end_step(s, num_verified)`.
+
+    Last decisions, for metrics: `depth`, `threshold`, `budget` (slots admitted by the last `admit`),
+    `planned_budget` (expected admitted slots when the depth was chosen), `expected_tokens` and
+    `expected_rate` (tokens per second of the chosen plan).
+    """
+
+    def __init__(
+        self,
+        cost: CostModel,
+        num_speculative_tokens: int,
+        *,
+        history_steps: int = 8,
+        min_gain: float = 0.02,
+        initial_threshold: float = 0.0,
+    ) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.cost = cost
+        self.k = int(num_speculative_tokens)
+        # Survival rows of recent steps, padded to K columns with NaN (= not drafted that step).
+        self.history: deque[np.ndarray] = deque(maxlen=max(1, history_steps))
+        # Speculation must beat plain decoding by this relative margin: cost profiles are noisy and
+        # switching speculation back on costs a draft catch-up forward the model does not see.
+        self.min_gain = float(min_gain)
+        self.expected_p = np.zeros(self.k)
+        self.threshold = float(initial_threshold)  # 0: verify everything drafted until we know better
+        self.depth = 0
+        self.planned_budget = 0.0
+        self.budget = 0
+        self.expected_tokens = 0.0
+        self.expected_rate = 0.0
+        self.num_requests = 0
+        self.context_tokens = 0
+
+    # ---- helpers ------------------------------------------------------------------------------------
+
+    def _clean_expected(self, expected_p: np.ndarray | None) -> np.ndarray:
+        """Length-K acceptance means; NaN positions copy the previous position (a position never drafted
+        must not look hopeless forever), leading NaN -> 0."""
+        if expected_p is None:
+            return self.expected_p
+        p = np.asarray(expected_p, dtype=np.float64).ravel()[: self.k]
+        if p.size < self.k:
+            p = np.concatenate([p, np.full(self.k - p.size, np.nan)])
+        if np.isnan(p).any():
+            idx = np.where(np.isnan(p), 0, np.arange(self.k))
+            idx = np.maximum.accumulate(idx)
+            p = p[idx]
+            p = np.nan_to_num(p, nan=0.0)
+        return np.clip(p, 0.0, 1.0)
+
+    def _pooled(self, expected_p: np.ndarray) -> np.ndarray:
+        """Recent survival rows, [M, K]; columns not drafted are extrapolated with the expected
+        acceptance (what deeper drafting would have given). No history: one row of mean survival."""
+        if not self.history:
+            return np.cumprod(expected_p)[None, :]
+        s = np.concatenate(list(self.history), axis=0)
+        missing = np.isnan(s)
+        if missing.any():
+            s = s.copy()
+            prev = np.ones(s.shape[0])
+            for k in range(self.k):  # loop over positions only (K <= 16)
+                col = s[:, k]
+                s[:, k] = np.where(missing[:, k], prev * expected_p[k], col)
+                prev = s[:, k]
+        return s
+
+    def _plan(
+        self, r_count: int, depths: np.ndarray, pooled: np.ndarray, context_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For each candidate depth D, the best expected rate over global budgets on the pooled survivals.
+
+        Pooled rows stand for R requests: budget j of the pooled slots means j * R / M target tokens.
+        Returns (rate[D], tokens[D], budget[D] in target tokens, threshold[D])."""
+        m = pooled.shape[0]
+        scale = r_count / m
+        flat = pooled.ravel()
+        cols = np.tile(np.arange(self.k), m)
+        order = np.argsort(-flat, kind="stable")
+        v, c = flat[order], cols[order]
+        # mask[d, j]: sorted slot j is drafted under depth depths[d]
+        mask = c[None, :] < depths[:, None]
+        gain = np.concatenate([np.zeros((depths.size, 1)), np.cumsum(v * mask, axis=1)], axis=1)
+        count = np.concatenate([np.zeros((depths.size, 1)), np.cumsum(mask, axis=1)], axis=1)
+        budget_tokens = count * scale
+        tokens = r_count + gain * scale
+        draft_cost = depths * self.cost.draft_time(r_count)
+        seconds = draft_cost[:, None] + self.cost.target_time(r_count + budget_tokens, context_tokens)
+        rate = tokens / np.maximum(seconds, 1e-12)
+        best = np.argmax(rate, axis=1)
+        rows = np.arange(depths.size)
+        # Threshold halfway between the last admitted and the first rejected survival (of that depth).
+        nb = count[rows, best]
+        drafted_rank = count[:, 1:]
+        last_in = np.where(mask & (drafted_rank <= nb[:, None]), v[None, :], np.inf).min(axis=1)
+        first_out = np.where(mask & (drafted_rank > nb[:, None]), v[None, :], -np.inf).max(axis=1)
+        first_out = np.where(np.isfinite(first_out), first_out, 0.0)
+        last_in = np.where(np.isfinite(last_in), last_in, 1.0 + 1e-9)  # none admitted: above any survival
+        thresholds = 0.5 * (last_in + first_out)
+        return rate[rows, best], tokens[rows, best], budget_tokens[rows, best], thresholds
+
+    # ---- decisions ----------------------------------------------------------------------------------
+
+    def choose_draft_depth(
+        self, num_requests: int, expected_p: np.ndarray | None = None, context_tokens: int = 0
+    ) -> int:
+        """Draft depth D in 0..K for this step (0: plain decoding), maximising expected tokens/second.
+
+        Uses previous steps' survivals (extrapolated with `expected_p`, the recent mean acceptance per
+        position) so heterogeneous requests are admitted top-first. Also fixes this step's admission
+        threshold, before any draft is seen (lossless)."""
+        r_count = int(num_requests)
+        self.num_requests = r_count
+        self.context_tokens = int(context_tokens)
+        self.expected_p = self._clean_expected(expected_p)
+        if r_count <= 0:
+            self.depth, self.planned_budget, self.expected_tokens, self.expected_rate = 0, 0.0, 0.0, 0.0
+            return 0
+        depths = np.arange(self.k + 1)
+        rate, tokens, budget, thresholds = self._plan(
+            r_count, depths, self._pooled(self.expected_p), context_tokens
+        )
+        best = int(np.argmax(rate[1:])) + 1
+        if rate[best] < rate[0] * (1.0 + self.min_gain):
+            best = 0
+        # Ties between depths go to the shallower one (argmax takes the first): it drafts less.
+        self.depth = best
+        self.expected_rate = float(rate[best])
+        self.expected_tokens = float(tokens[best])
+        self.planned_budget = float(budget[best])
+        if best > 0:
+            self.threshold = float(thresholds[best])
+        return best
+
+    def update_threshold(self, num_requests: int, depth: int, context_tokens: int = 0) -> float:
+        """Recompute the admission threshold for a step with a fixed depth (an engine that drafts K
+        without asking `choose_draft_depth`). Uses previous steps only: call it before drafting."""
+        if num_requests > 0 and depth > 0:
+            depth = min(int(depth), self.k)
+            rate, tokens, budget, thresholds = self._plan(
+                int(num_requests), np.array([depth]), self._pooled(self.expected_p), context_tokens
+            )
+            self.threshold = float(thresholds[0])
+            self.expected_rate, self.expected_tokens = float(rate[0]), float(tokens[0])
+            self.planned_budget = float(budget[0])
+            self.depth = depth
+        return self.threshold
+
+    def should_continue(
+        self,
+        survival_so_far: np.ndarray,
+        depth_done: int,
+        expected_p: np.ndarray | None = None,
+        num_tokens_so_far: int | None = None,
+        max_depth: int | None = None,
+    ) -> np.ndarray:
+        """Per request (of those still drafting), whether drafting slot `depth_done` (0-based; i.e. the
+        (depth_done+1)-th) pays for itself.
+
+        `survival_so_far[r]` = s[r, depth_done - 1] (1 for depth_done = 0). Expected gain of one more slot
+        is s * p_next; its cost is a share of one more draft forward plus one more verified token. With
+        the plan's rate lambda, adding (gain G, cost C) raises tokens/second iff G > lambda * C; the m
+        requests that continue are the m with the largest gain, m maximising G(m) - lambda * C(m).
+        Reads only survivals so far (lossless)."""
+        s = np.nan_to_num(np.asarray(survival_so_far, dtype=np.float64).ravel(), nan=0.0)
+        n = s.size
+        limit = self.k if max_depth is None else min(int(max_depth), self.k)
+        if n == 0 or depth_done >= limit or depth_done < 0:
+            return np.zeros(n, dtype=bool)
+        p = self._clean_expected(expected_p) if expected_p is not None else self.expected_p
+        gain = np.clip(s, 0.0, 1.0) * p[depth_done]
+        order = np.argsort(-gain, kind="stable")
+        g_cum = np.concatenate([[0.0], np.cumsum(gain[order])])
+        m = np.arange(n + 1)
+        r_all = max(self.num_requests, n)
+        base = r_all + depth_done * n if num_tokens_so_far is None else int(num_tokens_so_far)
+        ctx = self.context_tokens
+        cost = (
+            self.cost.draft_time(m) + self.cost.target_time(base + m, ctx) - self.cost.target_time(base, ctx)
+        )
+        rate = self.expected_rate
+        if rate <= 0.0:  # no plan yet: compare with plain decoding
+            rate = r_all / max(float(self.cost.target_time(r_all, ctx)), 1e-12)
+        best = int(np.argmax(g_cum - rate * cost))
+        out = np.zeros(n, dtype=bool)
+        out[order[:best]] = True
+        return out & (gain > 0.0)
+
+    def admit(self, survival: np.ndarray, threshold: float | None = None) -> np.ndarray:
+        """Verified slots per request (a prefix): slot k of r is verified iff s[r, j] >= tau for all j <= k.
+        tau was fixed before this step's drafts; undrafted slots (NaN or 0) are never verified."""
+        s = np.asarray(survival, dtype=np.float64)
+        if s.ndim != 2 or s.shape[0] == 0:
+            self.budget = 0
+            return np.zeros(s.shape[0] if s.ndim >= 1 else 0, dtype=np.int64)
+        tau = self.threshold if threshold is None else float(threshold)
+        ok = (s >= tau) & (s > 0.0)  # NaN compares False
+        n = np.cumprod(ok, axis=1).sum(axis=1).astype(np.int64)
+        self.budget = int(n.sum())
+        return n
+
+    def end_step(
+        self,
+        survival: np.ndarray,
+        num_verified: np.ndarray | None = None,
+        *,
+        target_tokens: int | None = None,
+        target_seconds: float | None = None,
+        draft_forwards: list[tuple[int, float]] | None = None,
+        context_tokens: int = 0,
+    ) -> None:
+        """Remember this step's survivals (they set the next step's threshold, never this one's) and
+        refresh the threshold for an unchanged load. Optionally feed measured times to the cost model:
+        `target_seconds` of the forward over `target_tokens`, and (batch, seconds) per draft forward.
+        Zero survival beyond a request's drafted depth is read as 'not drafted'."""
+        s = np.asarray(survival, dtype=np.float64)
+        if target_seconds is not None and target_tokens:
+            self.cost.observe_target(int(target_tokens), float(target_seconds), context_tokens)
+        for batch, seconds in draft_forwards or ():
+            self.cost.observe_draft(int(batch), float(seconds))
+        if s.ndim != 2 or s.shape[0] == 0 or s.shape[1] == 0:
+            return
+        d = min(s.shape[1], self.k)
+        row = np.full((s.shape[0], self.k), np.nan)
+        part = s[:, :d]
+        # Survival is positive wherever a slot was drafted; 0 / NaN mean not drafted.
+        row[:, :d] = np.where(part > 0.0, np.minimum(part, 1.0), np.nan)
+        self.history.append(row)
+        # Same load next step: a threshold ready even if choose_draft_depth is not called. It is only
+        # used from the next step on, so computing it from THIS step's survivals is lossless.
+        depth = max(self.depth, d)
+        _, _, _, thresholds = self._plan(
+            s.shape[0], np.array([depth]), self._pooled(self.expected_p), context_tokens
+        )
+        self.threshold = float(thresholds[0])
+
+    def state(self) -> dict[str, float]:
+        """Last decisions, for metrics."""
+        return {
+            "depth": self.depth,
+            "threshold": self.threshold,
+            "budget": self.budget,
+            "planned_budget": self.planned_budget,
+            "expected_tokens": self.expected_tokens,
+            "expected_rate": self.expected_rate,
+        }

@@ -1,0 +1,227 @@
+"""Cost model (interpolation, online refinement, persistence) and start-up profiling."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specverify.cost_model import CostModel
+from specverify.profiling import RESERVED_SEQ_ID_BASE, load_or_profile, profile_runners
+
+TOKENS = np.array([1, 2, 4, 8, 16, 32, 64, 128], dtype=float)
+
+
+def true_target(n: np.ndarray | float) -> np.ndarray | float:
+    return 0.1 + 0.002 * np.asarray(n, dtype=float)
+
+
+def model(**kwargs) -> CostModel:
+    batch = np.array([1, 2, 4, 8, 16, 32], dtype=float)
+    return CostModel(TOKENS, true_target(TOKENS), batch, 0.05 + 0.001 * batch, **kwargs)
+
+
+# ---- interpolation ----------------------------------------------------------------------------------------
+
+
+def test_interpolation_and_extrapolation() -> None:
+    cost = model()
+    for n in TOKENS:
+        assert cost.target_time(int(n)) == pytest.approx(true_target(n))
+    assert cost.target_time(24) == pytest.approx(true_target(24))  # linear between anchors
+    assert cost.target_time(512) == pytest.approx(true_target(512))  # linear beyond the last one
+    assert cost.target_time(0) == 0.0 and cost.draft_time(0) == 0.0
+    grid = np.arange(0, 300)
+    np.testing.assert_allclose(cost.target_time(grid), [cost.target_time(int(n)) for n in grid])
+    assert cost.draft_time(8) == pytest.approx(0.058)
+
+
+def test_noisy_profile_is_made_monotone() -> None:
+    seconds = np.array([0.10, 0.10, 0.13, 0.11, 0.12, 0.20, 0.19, 0.40])  # dips at 8 and 64
+    cost = CostModel(TOKENS, seconds)
+    pred = cost.target_time(np.arange(1, 200))
+    assert np.all(np.diff(pred) >= 0)
+    # Pooled, not lifted to the running maximum: the 4-token blip is averaged with its neighbours.
+    assert cost.target_time(8) < 0.13
+
+
+def test_no_draft_profile_means_free_drafting() -> None:
+    cost = CostModel.from_profile({"target": {"tokens": [1, 8], "seconds": [0.1, 0.2]}, "draft": None})
+    assert cost.draft_time(4) == 0.0
+    np.testing.assert_array_equal(cost.draft_time(np.array([1, 2])), [0.0, 0.0])
+
+
+def test_bad_profiles_are_refused() -> None:
+    with pytest.raises(ValueError):
+        CostModel([1, 2], [0.1, -0.2])
+    with pytest.raises(ValueError):
+        CostModel([], [])
+
+
+# ---- online refinement ------------------------------------------------------------------------------------
+
+
+def test_warmup_observations_are_ignored() -> None:
+    cost = model(warmup=3)
+    for _ in range(3):
+        cost.observe_target(8, 10.0)
+    assert cost.target_time(8) == pytest.approx(true_target(8))
+
+
+def test_online_refinement_converges_to_changed_cost() -> None:
+    cost = model()
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.choice([1, 4, 16, 48, 128]))
+        cost.observe_target(n, 1.5 * true_target(n) * rng.lognormal(0, 0.03))
+        b = int(rng.choice([1, 8, 32]))
+        cost.observe_draft(b, 0.7 * (0.05 + 0.001 * b))
+    for n in (1, 4, 16, 48, 128):
+        assert cost.target_time(n) == pytest.approx(1.5 * true_target(n), rel=0.04)
+    assert cost.draft_time(8) == pytest.approx(0.7 * 0.058, rel=0.04)
+
+
+def test_single_outlier_barely_moves_the_prediction() -> None:
+    cost = model()
+    for _ in range(50):
+        cost.observe_target(16, true_target(16))
+    before = cost.target_time(16)
+    cost.observe_target(16, 10 * true_target(16))
+    assert cost.target_time(16) == pytest.approx(before, rel=0.03)
+    cost.observe_target(16, 0.05 * true_target(16))  # and a freak fast one
+    assert cost.target_time(16) == pytest.approx(before, rel=0.03)
+
+
+def test_never_observed_bucket_follows_global_drift() -> None:
+    cost = model()
+    for _ in range(200):
+        cost.observe_target(8, 1.3 * true_target(8))
+    assert cost.target_time(8) == pytest.approx(1.3 * true_target(8), rel=0.02)
+    for n in (1, 64, 128, 300):  # never measured
+        assert cost.target_time(n) == pytest.approx(1.3 * true_target(n), rel=0.05)
+
+
+def test_bucket_specific_deviation_is_learned_without_moving_the_rest_much() -> None:
+    cost = model()
+    rng = np.random.default_rng(1)
+    for _ in range(600):
+        n = int(rng.choice([4, 16, 32, 64]))
+        factor = 1.5 if n == 32 else 1.0
+        cost.observe_target(n, factor * true_target(n))
+    assert cost.target_time(32) == pytest.approx(1.5 * true_target(32), rel=0.05)
+    assert cost.target_time(4) == pytest.approx(true_target(4), rel=0.05)
+    assert cost.target_time(64) >= cost.target_time(32)  # still monotone
+
+
+def test_context_term_is_fitted_when_it_explains_variance() -> None:
+    rng = np.random.default_rng(2)
+    cost = model()
+    coef = 2e-5
+    for _ in range(400):
+        n, ctx = int(rng.choice([4, 16, 64])), int(rng.integers(100, 4000))
+        cost.observe_target(n, true_target(n) + coef * ctx, context_tokens=ctx)
+    assert cost.context_coef == pytest.approx(coef, rel=0.25)
+    for ctx in (200, 3500):
+        assert cost.target_time(16, ctx) == pytest.approx(true_target(16) + coef * ctx, rel=0.05)
+    # No dependence on context: the term stays off.
+    flat = model()
+    for _ in range(400):
+        n, ctx = int(rng.choice([4, 16, 64])), int(rng.integers(100, 4000))
+        flat.observe_target(n, true_target(n) * rng.lognormal(0, 0.02), context_tokens=ctx)
+    assert abs(flat.context_coef) < 0.2 * coef
+
+
+def test_serialization_round_trip() -> None:
+    cost = model()
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        n = int(rng.choice([2, 16, 100]))
+        cost.observe_target(n, 1.2 * true_target(n), context_tokens=int(rng.integers(10, 500)))
+        cost.observe_draft(4, 0.06)
+    clone = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    grid = np.arange(0, 200)
+    np.testing.assert_allclose(clone.target_time(grid), cost.target_time(grid))
+    np.testing.assert_allclose(clone.target_time(grid, 300), cost.target_time(grid, 300))
+    np.testing.assert_allclose(clone.draft_time(grid), cost.draft_time(grid))
+    cost.observe_target(16, 0.3)
+    clone.observe_target(16, 0.3)
+    assert clone.target_time(16) == cost.target_time(16)
+
+
+# ---- profiling --------------------------------------------------------------------------------------------
+
+
+class SleepyRunner:
+    """A runner whose forward sleeps `fixed + per_token * tokens`; counts calls, checks cache bookkeeping."""
+
+    def __init__(self, fixed: float, per_token: float) -> None:
+        self.vocab_size = 50
+        self.max_model_len = 1024
+        self.device = torch.device("cpu")
+        self.fixed, self.per_token = fixed, per_token
+        self.caches: dict[int, int] = {}
+        self.calls = 0
+
+    def forward(self, seq_ids, tokens, num_logits):
+        self.calls += 1
+        n = sum(len(t) for t in tokens)
+        for sid, t in zip(seq_ids, tokens, strict=True):
+            assert sid <= RESERVED_SEQ_ID_BASE  # dummy ids never collide with the engine's
+            self.caches[sid] = self.caches.get(sid, 0) + len(t)
+        time.sleep(self.fixed + self.per_token * n)
+        return torch.zeros(sum(num_logits), self.vocab_size)
+
+    def cache_length(self, seq_id):
+        return self.caches.get(seq_id, 0)
+
+    def truncate(self, seq_id, length):
+        assert length <= self.caches[seq_id]
+        self.caches[seq_id] = length
+
+    def release(self, seq_id):
+        self.caches.pop(seq_id, None)
+
+
+def test_profile_recovers_the_slope_and_cleans_up() -> None:
+    target, draft = SleepyRunner(0.001, 0.0005), SleepyRunner(0.001, 0.0003)
+    profile = profile_runners(
+        target,
+        draft,
+        token_counts=(1, 4, 16, 32),
+        batch_sizes=(1, 8, 32),
+        repeats=3,
+        context=16,
+        progress=False,
+    )
+    assert target.caches == {} and draft.caches == {}  # dummy sequences released
+    t = profile["target"]
+    slope = np.polyfit(t["tokens"], t["seconds"], 1)[0]
+    assert slope == pytest.approx(0.0005, rel=0.25)
+    d = profile["draft"]
+    assert np.polyfit(d["tokens"], d["seconds"], 1)[0] == pytest.approx(0.0003, rel=0.25)
+    cost = CostModel.from_profile(json.loads(json.dumps(profile)))
+    assert cost.target_time(64) > cost.target_time(1)
+
+
+def test_profile_cache_hit_does_not_reprofile(tmp_path) -> None:
+    path = tmp_path / "profiles.json"
+    kwargs = dict(token_counts=(1, 8), batch_sizes=(1, 4), repeats=1, context=4, progress=False)
+    target, draft = SleepyRunner(0.0, 0.0), SleepyRunner(0.0, 0.0)
+    first = load_or_profile(target, draft, path, "pair-a/bf16", **kwargs)
+    assert target.calls > 0 and draft.calls > 0
+    target.calls = draft.calls = 0
+    again = load_or_profile(target, draft, path, "pair-a/bf16", **kwargs)
+    assert target.calls == 0 and draft.calls == 0
+    assert again["target"] == first["target"]
+    # Another model pair on the same machine is profiled, and both stay cached.
+    load_or_profile(target, draft, path, "pair-b/bf16", **kwargs)
+    assert target.calls > 0
+    assert len(json.loads(path.read_text())["profiles"]) == 2
+    # A corrupt cache is rebuilt, not fatal.
+    path.write_text("{not json")
+    target.calls = 0
+    load_or_profile(target, None, path, "pair-a/bf16", **kwargs)
+    assert target.calls > 0

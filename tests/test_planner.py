@@ -1,0 +1,261 @@
+"""Adaptive-verification planner: decisions follow the costs, and admission is lossless (DESIGN §5)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from specverify.cost_model import CostModel
+from specverify.planner import AdaptivePlanner, survival, top_b_prefix
+
+K = 5
+TOKENS = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256], dtype=float)
+BATCH = np.array([1, 2, 4, 8, 16, 32], dtype=float)
+
+
+def cheap_cost() -> CostModel:
+    """Memory-bound target (extra tokens almost free) and a very cheap drafter."""
+    return CostModel(TOKENS, 0.30 + 1e-5 * TOKENS, BATCH, 0.005 + 1e-5 * BATCH)
+
+
+def expensive_cost() -> CostModel:
+    """Compute-bound target (cost proportional to tokens) and a drafter at half a target token."""
+    return CostModel(TOKENS, 0.02 * TOKENS, BATCH, np.maximum(0.18, 0.01 * BATCH))
+
+
+def cpu_like_cost() -> CostModel:
+    """The DESIGN §4 numbers: 356 ms at 1 token, ~382 at 6, compute-bound from ~32; draft ~183 ms."""
+    return CostModel(TOKENS, np.maximum(0.35 + 0.005 * TOKENS, 0.011 * TOKENS), BATCH, 0.18 + 0.002 * BATCH)
+
+
+def random_survival(rng: np.random.Generator, r: int, d: int, lo: float = 0.2) -> np.ndarray:
+    return survival(rng.uniform(lo, 1.0, size=(r, d)))
+
+
+def warm(planner: AdaptivePlanner, rng: np.random.Generator, r: int, steps: int = 4) -> None:
+    for _ in range(steps):
+        planner.choose_draft_depth(r, np.full(K, 0.7))
+        s = random_survival(rng, r, K)
+        planner.end_step(s, planner.admit(s))
+
+
+# ---- survival and top-B ---------------------------------------------------------------------------------
+
+
+def test_survival_is_cumulative_product_with_nan_as_zero() -> None:
+    p = np.array([[0.5, 0.5, np.nan, 0.9], [1.0, 0.8, 0.5, 0.5]])
+    s = survival(p)
+    np.testing.assert_allclose(s[0], [0.5, 0.25, 0.0, 0.0])
+    np.testing.assert_allclose(s[1], [1.0, 0.8, 0.4, 0.2])
+
+
+def test_top_b_ties_broken_by_position() -> None:
+    # s[0, 0] == s[0, 1] == s[1, 0]: the request-0 slot 1 must not outrank request 1's slot 0, and never
+    # its own slot 0.
+    s = np.array([[0.5, 0.5, 0.1], [0.5, 0.2, 0.1]])
+    np.testing.assert_array_equal(top_b_prefix(s, 1), [1, 0])
+    np.testing.assert_array_equal(top_b_prefix(s, 2), [1, 1])
+    np.testing.assert_array_equal(top_b_prefix(s, 3), [2, 1])
+    np.testing.assert_array_equal(top_b_prefix(s, 100), [3, 3])
+    # Constant survival along a request (p = 1): still a prefix, in position order.
+    np.testing.assert_array_equal(top_b_prefix(np.full((1, 4), 0.3), 2), [2])
+
+
+def test_admission_ties_and_prefixes() -> None:
+    planner = AdaptivePlanner(cheap_cost(), K)
+    s = np.array([[0.6, 0.6, 0.6, 0.2, 0.2], [0.9, 0.3, 0.3, 0.3, 0.0]])
+    np.testing.assert_array_equal(planner.admit(s, threshold=0.6), [3, 1])
+    np.testing.assert_array_equal(planner.admit(s, threshold=0.3), [3, 4])
+    # Not monotone (rounding, or a bad estimate): still a prefix, stopping at the first slot below tau.
+    np.testing.assert_array_equal(planner.admit(np.array([[0.9, 0.1, 0.8]]), threshold=0.5), [1])
+
+
+# ---- the losslessness rule --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_admission_of_slot_k_ignores_later_slots_of_same_request(seed: int) -> None:
+    """Slot k's verification may read s[r, <=k] and other requests, never s[r, >k] (DESIGN §5)."""
+    rng = np.random.default_rng(seed)
+    r = int(rng.integers(1, 5)) if seed % 2 else int(rng.integers(1, 33))  # few requests: one row weighs
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    warm(planner, rng, r)
+    planner.choose_draft_depth(r, np.full(K, 0.7))  # fixes this step's threshold before the drafts
+    tau = planner.threshold
+    s = random_survival(rng, r, K)
+    base = planner.admit(s)
+    assert planner.threshold == tau  # admitting never moves the threshold it uses
+    for _ in range(30):
+        row, k = int(rng.integers(r)), int(rng.integers(K - 1))
+        # The later slots of that request, as a different token at k could make them: any survival in
+        # [0, s[row, k]] (including both extremes).
+        for later in ("max", "zero", "random"):
+            changed = s.copy()
+            if later == "max":
+                changed[row, k + 1 :] = s[row, k]
+            elif later == "zero":
+                changed[row, k + 1 :] = 0.0
+            else:
+                changed[row, k + 1 :] = s[row, k] * survival(rng.uniform(0, 1, size=(1, K - k - 1)))[0]
+            n = planner.admit(changed)
+            assert (n[row] > np.arange(k + 1)).tolist() == (base[row] > np.arange(k + 1)).tolist()
+            # Other requests: unchanged admission.
+            others = np.arange(r) != row
+            np.testing.assert_array_equal(n[others], base[others])
+            # The budgeted (top-B) rule with B fixed before the step is lossless too, thanks to the
+            # tie-break by position.
+            b = int(rng.integers(0, r * K + 1))
+            assert (top_b_prefix(changed, b)[row] > np.arange(k + 1)).tolist() == (
+                top_b_prefix(s, b)[row] > np.arange(k + 1)
+            ).tolist()
+
+
+def test_threshold_of_a_step_does_not_depend_on_its_own_survivals() -> None:
+    rng = np.random.default_rng(1)
+    a, b = AdaptivePlanner(cpu_like_cost(), K), AdaptivePlanner(cpu_like_cost(), K)
+    warm(a, np.random.default_rng(2), 8)
+    warm(b, np.random.default_rng(2), 8)
+    a.choose_draft_depth(8, np.full(K, 0.7))
+    b.choose_draft_depth(8, np.full(K, 0.7))
+    assert a.threshold == b.threshold
+    # Different drafts this step: same admission rule; only end_step (used next step) may differ.
+    s1, s2 = random_survival(rng, 8, K), random_survival(rng, 8, K, lo=0.9)
+    assert a.threshold == b.threshold
+    a.admit(s1)
+    b.admit(s2)
+    assert a.threshold == b.threshold
+
+
+# ---- decisions follow the costs -------------------------------------------------------------------------
+
+
+def test_cheap_verification_verifies_everything_drafted() -> None:
+    rng = np.random.default_rng(0)
+    planner = AdaptivePlanner(cheap_cost(), K)
+    warm(planner, rng, 16)
+    depth = planner.choose_draft_depth(16, np.full(K, 0.7))
+    assert depth == K
+    s = random_survival(rng, 16, K)
+    np.testing.assert_array_equal(planner.admit(s), np.full(16, K))
+
+
+def test_expensive_verification_turns_speculation_off_at_high_load() -> None:
+    rng = np.random.default_rng(0)
+    planner = AdaptivePlanner(expensive_cost(), K)
+    assert planner.choose_draft_depth(32, np.full(K, 0.7)) == 0
+    assert planner.expected_rate == pytest.approx(32 / expensive_cost().target_time(32))
+    # Verification proportional to tokens, drafting nearly free: a drafted slot only pays if it is
+    # surely accepted, so (almost) nothing is verified even with drafts in hand.
+    steep = AdaptivePlanner(CostModel(TOKENS, 0.02 * TOKENS, BATCH, 1e-4 * BATCH), K)
+    assert steep.choose_draft_depth(32, np.full(K, 0.7)) == 0
+    steep.end_step(random_survival(rng, 32, K), np.zeros(32, dtype=int))
+    n = steep.admit(random_survival(rng, 32, K))
+    assert n.sum() <= 0.05 * 32 * K
+    # The same planner keeps speculation on at low load where the target is not compute bound.
+    low = AdaptivePlanner(cpu_like_cost(), K)
+    assert low.choose_draft_depth(1, np.full(K, 0.9)) > 0
+    assert low.choose_draft_depth(32, np.full(K, 0.6)) == 0
+
+
+def test_low_load_high_acceptance_drafts_deep() -> None:
+    cost = CostModel(TOKENS, 0.35 + 0.001 * TOKENS, BATCH, 0.03 + 0.001 * BATCH)
+    planner = AdaptivePlanner(cost, K)
+    assert planner.choose_draft_depth(1, np.full(K, 0.95)) == K
+    # Low acceptance with the same costs: shallower.
+    assert planner.choose_draft_depth(1, np.full(K, 0.3)) < K
+
+
+def test_depth_decreases_with_load_on_cpu_like_costs() -> None:
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    depths = [planner.choose_draft_depth(r, np.full(K, 0.8)) for r in (1, 2, 4, 8, 16, 32)]
+    assert depths == sorted(depths, reverse=True)
+    assert depths[0] >= 2 and depths[-1] <= 1
+
+
+def test_threshold_tracks_verification_cost() -> None:
+    rng = np.random.default_rng(3)
+    s = random_survival(rng, 16, K)
+    cheap, dear = AdaptivePlanner(cheap_cost(), K), AdaptivePlanner(expensive_cost(), K)
+    for planner in (cheap, dear):
+        planner.end_step(s, np.full(16, K))
+    assert cheap.threshold < s.min() + 1e-12  # verify all
+    assert dear.threshold > cheap.threshold
+
+
+def test_should_continue_stops_hopeless_requests_and_at_k() -> None:
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    planner.choose_draft_depth(4, np.full(K, 0.8))
+    s = np.array([0.95, 0.9, 0.01, 0.0])
+    go = planner.should_continue(s, 2)
+    assert go.dtype == bool and go.shape == (4,)
+    assert not go[2] and not go[3]
+    # A request continues only if every request with more survival continues (largest gains first).
+    for i in range(4):
+        if go[i]:
+            assert go[s > s[i]].all()
+    assert not planner.should_continue(np.ones(4), K).any()
+    assert not planner.should_continue(np.ones(4), 2, max_depth=2).any()
+    # At high load on a compute-bound target, drafting one more slot does not pay.
+    dear = AdaptivePlanner(expensive_cost(), K)
+    dear.choose_draft_depth(32, np.full(K, 0.7))
+    assert not dear.should_continue(np.full(32, 0.5), 1).any()
+    # Cheap drafting and verification: everyone with a chance continues.
+    cheap = AdaptivePlanner(cheap_cost(), K)
+    cheap.choose_draft_depth(8, np.full(K, 0.7))
+    assert cheap.should_continue(np.full(8, 0.5), 1).all()
+
+
+# ---- edge cases -------------------------------------------------------------------------------------------
+
+
+def test_empty_batch_all_nan_and_depth_zero() -> None:
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    assert planner.choose_draft_depth(0, np.full(K, 0.9)) == 0
+    assert planner.admit(np.zeros((0, K))).shape == (0,)
+    assert planner.should_continue(np.zeros(0), 1).shape == (0,)
+    planner.end_step(np.zeros((0, K)), np.zeros(0, dtype=int))
+    np.testing.assert_array_equal(planner.admit(np.full((3, K), np.nan), threshold=0.0), [0, 0, 0])
+    np.testing.assert_array_equal(planner.admit(np.zeros((3, 0))), [0, 0, 0])
+    planner.end_step(np.zeros((3, 0)), np.zeros(3, dtype=int))
+    planner.end_step(np.full((3, K), np.nan), np.zeros(3, dtype=int))
+    assert np.isfinite(planner.threshold)
+    # NaN / short expected acceptance is tolerated.
+    assert 0 <= planner.choose_draft_depth(4, np.array([0.9, np.nan])) <= K
+    assert 0 <= planner.choose_draft_depth(4, np.full(K, np.nan)) <= K
+
+
+def test_undrafted_zero_slots_are_not_verified() -> None:
+    planner = AdaptivePlanner(cheap_cost(), K)
+    s = np.array([[0.9, 0.8, 0.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(planner.admit(s, threshold=0.0), [2])
+
+
+def test_calls_are_fast() -> None:
+    rng = np.random.default_rng(0)
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    warm(planner, rng, 32, steps=10)  # full history: the slowest case
+    s = random_survival(rng, 32, K)
+    p = np.full(K, 0.7)
+    calls = {
+        "choose": lambda: planner.choose_draft_depth(32, p),
+        "continue": lambda: planner.should_continue(s[:, 2], 3),
+        "admit": lambda: planner.admit(s),
+        "end_step": lambda: planner.end_step(s, np.full(32, K)),
+    }
+    for name, call in calls.items():
+        best = np.inf
+        for _ in range(3):  # best of three: the test machine is shared
+            start = time.perf_counter()
+            for _ in range(50):
+                call()
+            best = min(best, (time.perf_counter() - start) / 50)
+        assert best < 1e-3, f"{name} takes {best * 1e3:.2f} ms"
+
+
+def test_metrics_attributes() -> None:
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    d = planner.choose_draft_depth(2, np.full(K, 0.8))
+    state = planner.state()
+    assert state["depth"] == d and state["expected_rate"] > 0 and state["expected_tokens"] >= 2
