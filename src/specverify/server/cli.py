@@ -1,0 +1,87 @@
+"""`specverify serve`: load the models, build the app, run uvicorn until a signal stops it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from specverify.cli import add_model_arguments, speculative_config_from_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the `serve` subcommand."""
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, streaming) with Prometheus /metrics",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
+    )
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model name clients must use (default: the target's name)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests that may wait for a running slot; beyond that the server answers 429 (default: 256)",
+    )
+    p.add_argument(
+        "--estimator-state",
+        metavar="PATH",
+        help="restore the acceptance estimator from PATH at start (if it exists) and save it there at shutdown",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after a shutdown signal before they end with an error",
+    )
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the server until it is told to stop; returns the process exit code."""
+    if args.max_queue < 0:
+        raise SystemExit("error: --max-queue must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit("error: --port must be in [0, 65535]")
+    if args.shutdown_timeout < 0:
+        raise SystemExit("error: --shutdown-timeout must be >= 0")
+    if args.estimator_state and not os.path.isdir(os.path.dirname(os.path.abspath(args.estimator_state))):
+        raise SystemExit(f"error: the directory of --estimator-state {args.estimator_state} does not exist")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    from specverify.llm import LLM
+    from specverify.server.app import SpecverifyServer, create_app
+
+    llm = LLM(
+        model=args.model,
+        speculative_config=speculative_config_from_args(args),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    app = create_app(
+        llm.engine,
+        llm.tokenizer,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        estimator_state=args.estimator_state,
+        shutdown_timeout=args.shutdown_timeout,
+        # Clients often name the model by what was passed to --model (vLLM's default name): accept that too.
+        model_aliases=(args.model, Path(args.model).name, Path(args.model).stem) if args.model else (),
+    )
+    server = SpecverifyServer(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
+        pass
+    return 0
