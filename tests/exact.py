@@ -61,14 +61,25 @@ def toy_pair(target_seed: int = 1, draft_seed: int = 2, draft_noise: float = 1.0
 
 
 def sample_engine(
-    target_fn, draft_fn, params: SamplingParams, spec: SpeculativeConfig | None, n: int, length: int, seed: int = 0, **engine_kwargs
+    target_fn,
+    draft_fn,
+    params: SamplingParams,
+    spec: SpeculativeConfig | None,
+    n: int,
+    length: int,
+    seed: int = 0,
+    **engine_kwargs,
 ) -> tuple[Counter, LLMEngine]:
     target = ToyRunner(VOCAB, target_fn)
     draft = ToyRunner(VOCAB, draft_fn) if spec is not None else None
     config = EngineConfig(max_num_seqs=64, seed=seed, speculative=spec)
     engine = LLMEngine(target, ToyTokenizer(VOCAB), config, draft=draft, **engine_kwargs)
     run_params = SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, max_tokens=length, ignore_eos=True
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=length,
+        ignore_eos=True,
     )
     for _ in range(n):
         engine.add_request(PROMPT, run_params)

@@ -8,8 +8,8 @@ later survivals) then biases the output, and the negative control shows the test
 import numpy as np
 import pytest
 import torch
-
 from exact import VOCAB, chi_square_pvalue, exact_distribution, sample_engine, table_logits
+
 from specverify.config import SpeculativeConfig
 from specverify.cost_model import CostModel
 from specverify.planner import AdaptivePlanner
@@ -43,7 +43,13 @@ def cost_model(per_token: float) -> CostModel:
     batches = np.array([1, 2, 4, 8, 16, 32, 64])
     # Frozen (no online refinement): the toy models' real step times are meaningless here.
     return CostModel(
-        tokens, 1.0 + per_token * tokens, batches, 0.02 + 0.001 * batches, alpha_global=0.0, alpha_bucket=0.0, fit_context=False
+        tokens,
+        1.0 + per_token * tokens,
+        batches,
+        0.02 + 0.001 * batches,
+        alpha_global=0.0,
+        alpha_bucket=0.0,
+        fit_context=False,
     )
 
 
@@ -64,7 +70,9 @@ class DraftAllPlanner(AdaptivePlanner):
         return super().admit(survival, threshold=0.35)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.85)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.85)]
+)
 def test_adaptive_verification_matches_target_distribution(params: SamplingParams) -> None:
     target_fn, draft_fn = telltale_pair()
     counts, engine = sample_engine(target_fn, draft_fn, params, SPEC, N, LENGTH, cost_model=cost_model(0.002))
@@ -89,7 +97,9 @@ def test_admission_that_trims_drafts_matches_target_distribution(monkeypatch) ->
 def test_expensive_verification_turns_speculation_off_and_stays_exact() -> None:
     params = SamplingParams(temperature=1.0)
     target_fn, draft_fn = telltale_pair()
-    counts, engine = sample_engine(target_fn, draft_fn, params, SPEC, 2000, LENGTH, cost_model=cost_model(5.0))
+    counts, engine = sample_engine(
+        target_fn, draft_fn, params, SPEC, 2000, LENGTH, cost_model=cost_model(5.0)
+    )
     assert engine.stats.verified_tokens == 0
     assert chi_square_pvalue(counts, exact_distribution(target_fn, params, LENGTH)) > ALPHA
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from exact import VOCAB, toy_pair
+
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
 from specverify.engine.llm_engine import LLMEngine, PromptError
 from specverify.models.toy import ToyRunner, ToyTokenizer
@@ -15,7 +15,12 @@ def make_engine(k: int | None = 3, max_num_seqs: int = 8, eos: int | None = None
     target = ToyRunner(VOCAB, target_fn, max_model_len=max_model_len)
     draft = ToyRunner(VOCAB, draft_fn, max_model_len=max_model_len)
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    engine = LLMEngine(target, ToyTokenizer(VOCAB, eos), EngineConfig(max_num_seqs=max_num_seqs, speculative=spec), draft=draft)
+    engine = LLMEngine(
+        target,
+        ToyTokenizer(VOCAB, eos),
+        EngineConfig(max_num_seqs=max_num_seqs, speculative=spec),
+        draft=draft,
+    )
     return engine, target, draft
 
 
@@ -32,7 +37,9 @@ def run_all(engine):
 
 def test_caches_hold_all_but_the_last_token_between_steps() -> None:
     engine, target, draft = make_engine(k=4)
-    rid = engine.add_request([0, 1, 2], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3))
+    rid = engine.add_request(
+        [0, 1, 2], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)
+    )
     request = engine.scheduler.waiting[0]
     while engine.has_unfinished_requests():
         engine.step()
@@ -71,7 +78,9 @@ def test_same_seed_same_output_with_or_without_speculation_for_greedy() -> None:
 
 def test_eos_stops_and_is_kept_last() -> None:
     engine, _, _ = make_engine(k=3, eos=4)
-    ids = [engine.add_request([0, 1], SamplingParams(temperature=1.0, max_tokens=50, seed=s)) for s in range(20)]
+    ids = [
+        engine.add_request([0, 1], SamplingParams(temperature=1.0, max_tokens=50, seed=s)) for s in range(20)
+    ]
     outs, _ = run_all(engine)
     stopped = [outs[i] for i in ids if outs[i].finish_reason == "stop"]
     assert stopped, "with 5 tokens and 50 steps some request must draw EOS"
@@ -81,7 +90,9 @@ def test_eos_stops_and_is_kept_last() -> None:
 
 def test_stop_string_truncates_text() -> None:
     engine, _, _ = make_engine(k=3)
-    rid = engine.add_request([0, 1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["t"]))
+    rid = engine.add_request(
+        [0, 1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["t"])
+    )
     out = run_all(engine)[0][rid]
     assert out.finish_reason == "stop" and out.text == ""
 
@@ -169,7 +180,9 @@ def test_requests_with_logit_bias_do_not_train_the_estimator() -> None:
     engine, _, _ = make_engine(k=3)
     before = engine.estimator.state_dict()
     for s in range(5):
-        engine.add_request([0, 1], SamplingParams(max_tokens=20, ignore_eos=True, seed=s, logit_bias={2: 3.0}))
+        engine.add_request(
+            [0, 1], SamplingParams(max_tokens=20, ignore_eos=True, seed=s, logit_bias={2: 3.0})
+        )
     run_all(engine)
     assert engine.stats.verified_tokens > 0
     assert engine.estimator.state_dict() == before

@@ -6,8 +6,8 @@ the power to catch a biased verifier.
 """
 
 import pytest
-
 from exact import chi_square_pvalue, exact_distribution, sample_engine, toy_pair
+
 from specverify import sampler
 from specverify.config import SpeculativeConfig
 from specverify.sampling_params import SamplingParams
@@ -28,7 +28,9 @@ CASES = {
 def test_fixed_k_matches_target_distribution(name: str, k: int) -> None:
     params = CASES[name]
     target_fn, draft_fn = toy_pair()
-    counts, engine = sample_engine(target_fn, draft_fn, params, SpeculativeConfig(num_speculative_tokens=k), N, LENGTH)
+    counts, engine = sample_engine(
+        target_fn, draft_fn, params, SpeculativeConfig(num_speculative_tokens=k), N, LENGTH
+    )
     stats = engine.stats
     # The drafts must really be put to the test: some accepted, some rejected.
     assert 0 < stats.accepted_tokens < stats.verified_tokens
@@ -45,7 +47,9 @@ def test_no_speculation_matches_target_distribution() -> None:
 def test_greedy_speculation_is_the_greedy_continuation() -> None:
     params = SamplingParams(temperature=0.0)
     target_fn, draft_fn = toy_pair()
-    counts, engine = sample_engine(target_fn, draft_fn, params, SpeculativeConfig(num_speculative_tokens=3), 50, 6)
+    counts, engine = sample_engine(
+        target_fn, draft_fn, params, SpeculativeConfig(num_speculative_tokens=3), 50, 6
+    )
     plain, _ = sample_engine(target_fn, draft_fn, params, None, 5, 6)
     assert len(counts) == 1 and set(counts) == set(plain)
     assert engine.stats.verified_tokens > engine.stats.accepted_tokens > 0
@@ -61,5 +65,7 @@ def test_chi_square_catches_a_biased_verifier(monkeypatch) -> None:
         return real_verify(draft_tokens, draft_probs, target_probs, num_verified, accept_u * 0.0, final_u)
 
     monkeypatch.setattr(sampler, "verify", accept_all)
-    counts, _ = sample_engine(target_fn, draft_fn, params, SpeculativeConfig(num_speculative_tokens=2), N, LENGTH)
+    counts, _ = sample_engine(
+        target_fn, draft_fn, params, SpeculativeConfig(num_speculative_tokens=2), N, LENGTH
+    )
     assert chi_square_pvalue(counts, exact_distribution(target_fn, params, LENGTH)) < 1e-6

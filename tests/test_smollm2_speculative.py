@@ -47,7 +47,9 @@ def generate(smollm2, spec: SpeculativeConfig | None, cost_model=None):
     model, draft_model, config, tokenizer = smollm2
     target = TorchModelRunner(model, config, dtype="float32", max_model_len=512)
     draft = TorchModelRunner(draft_model, config, dtype="float32", max_model_len=512) if spec else None
-    engine = LLMEngine(target, tokenizer, EngineConfig(max_num_seqs=4, speculative=spec), draft=draft, cost_model=cost_model)
+    engine = LLMEngine(
+        target, tokenizer, EngineConfig(max_num_seqs=4, speculative=spec), draft=draft, cost_model=cost_model
+    )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ids = [engine.add_request(tokenizer.encode(p, add_special_tokens=False), params) for p in PROMPTS]
     done = {}
@@ -67,8 +69,15 @@ def test_greedy_speculative_equals_greedy_plain(smollm2) -> None:
 def test_greedy_adaptive_equals_greedy_plain(smollm2) -> None:
     tokens = np.array([1, 4, 16, 64, 256])
     # A synthetic, frozen cost profile where verification has a real per-token price.
-    cost = CostModel(tokens, 0.05 + 0.0002 * tokens, np.array([1, 4, 16]), np.array([0.002, 0.003, 0.005]),
-                     alpha_global=0.0, alpha_bucket=0.0, fit_context=False)
+    cost = CostModel(
+        tokens,
+        0.05 + 0.0002 * tokens,
+        np.array([1, 4, 16]),
+        np.array([0.002, 0.003, 0.005]),
+        alpha_global=0.0,
+        alpha_bucket=0.0,
+        fit_context=False,
+    )
     plain, _ = generate(smollm2, None)
     spec, stats = generate(
         smollm2, SpeculativeConfig(num_speculative_tokens=4, enable_adaptive_verification=True), cost

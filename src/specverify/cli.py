@@ -13,11 +13,17 @@ _COMMAND_MODULES = ("specverify.bench.cli", "specverify.server.cli", "specverify
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Model selection shared by generate, bench and serve."""
-    parser.add_argument("--model", help="target model: a .gguf file or an HF safetensors directory (default: "
-                        "Qwen2.5-Coder-1.5B-Instruct, assembled from its PyPI chunk packages)")
+    parser.add_argument(
+        "--model",
+        help="target model: a .gguf file or an HF safetensors directory (default: "
+        "Qwen2.5-Coder-1.5B-Instruct, assembled from its PyPI chunk packages)",
+    )
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--speculative-config", help="JSON, vLLM's convention, e.g. '{\"method\": \"draft_model\", "
-                       "\"model\": \"draft.gguf\", \"num_speculative_tokens\": 5, \"enable_adaptive_verification\": true}'")
+    group.add_argument(
+        "--speculative-config",
+        help='JSON, vLLM\'s convention, e.g. \'{"method": "draft_model", '
+        '"model": "draft.gguf", "num_speculative_tokens": 5, "enable_adaptive_verification": true}\'',
+    )
     group.add_argument("--no-speculation", action="store_true", help="plain decoding with the target only")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -36,7 +42,9 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict | None:
             raise SystemExit(f"error: --speculative-config is not valid JSON: {e}") from e
         return config
     if args.model is not None:
-        raise SystemExit("error: with --model, give --speculative-config (with a draft \"model\") or --no-speculation")
+        raise SystemExit(
+            'error: with --model, give --speculative-config (with a draft "model") or --no-speculation'
+        )
     return {"method": "draft_model", "num_speculative_tokens": 5, "enable_adaptive_verification": True}
 
 
@@ -44,7 +52,11 @@ def _generate(args: argparse.Namespace) -> int:
     from specverify import LLM, SamplingParams
 
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
     )
     llm = LLM(
         model=args.model,
@@ -82,8 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                     help="wrap the prompt in the model's chat template (default: on)")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template (default: on)",
+    )
     gen.add_argument("--record-trace", metavar="PATH", help="write every labelled draft to a JSONL trace")
     gen.set_defaults(func=_generate)
     for name in _COMMAND_MODULES:

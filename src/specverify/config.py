@@ -49,7 +49,9 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative method {self.method!r} is not supported; use 'draft_model'")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            raise ConfigError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
         if not isinstance(self.enable_adaptive_verification, bool):
             raise ConfigError("enable_adaptive_verification must be true or false")
         if not isinstance(self.estimator, dict):

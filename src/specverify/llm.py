@@ -48,7 +48,9 @@ def load_models(
     draft = draft_name = None
     if speculative:
         draft_path = resolve_model_path(draft_model, "draft")
-        draft, draft_tokenizer = load_runner(str(draft_path), dtype=dtype, device=device, max_model_len=max_model_len)
+        draft, draft_tokenizer = load_runner(
+            str(draft_path), dtype=dtype, device=device, max_model_len=max_model_len
+        )
         check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
         draft_name = model_name(str(draft_path))
     return LoadedModels(target, tokenizer, draft, model_name(str(target_path)), draft_name)
@@ -85,7 +87,11 @@ class LLM:
     ) -> None:
         spec = SpeculativeConfig.from_any(speculative_config)
         config = EngineConfig(
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed, speculative=spec, record_trace=record_trace
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            seed=seed,
+            speculative=spec,
+            record_trace=record_trace,
         )
         self.models = models or load_models(
             model, spec.model if spec else None, spec is not None, dtype, device, max_model_len
@@ -135,7 +141,9 @@ class LLM:
         ids = [self.apply_chat_template(c) for c in conversations]
         return self._run(ids, [sampling_params or SamplingParams()] * len(ids), use_tqdm)
 
-    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         order = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generating", disable=not use_tqdm, unit="req") as bar:

@@ -30,14 +30,22 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            (isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
-             f"temperature must be in [0, 100], got {self.temperature!r}"),
-            (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0,
-             f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (
+                isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
+                f"temperature must be in [0, 100], got {self.temperature!r}",
+            ),
+            (
+                isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0,
+                f"top_p must be in (0, 1], got {self.top_p!r}",
+            ),
+            (
+                isinstance(self.top_k, int) and self.top_k >= 0,
+                f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}",
+            ),
+            (
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            ),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
         ]

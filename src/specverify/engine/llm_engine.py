@@ -194,7 +194,11 @@ class LLMEngine:
         for token in list(params.logit_bias) + list(params.banned_token_ids):
             if not 0 <= int(token) < self.target.vocab_size:
                 raise ValueError(f"token id {token} in logit_bias/banned_token_ids is out of the vocabulary")
-        seed = params.seed if params.seed is not None else int(self._seed_source.spawn(1)[0].generate_state(1)[0])
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(self._seed_source.spawn(1)[0].generate_state(1)[0])
+        )
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=ids,
@@ -294,7 +298,9 @@ class LLMEngine:
     def _speculative_step(self, running: list[Request], depth: int) -> list[list[int]]:
         r_count, vocab = len(running), self.target.vocab_size
         # Never draft past what the request may still emit, nor past the context window.
-        caps = np.array([max(0, min(depth, r.remaining - 1, self.max_model_len - r.num_tokens)) for r in running])
+        caps = np.array(
+            [max(0, min(depth, r.remaining - 1, self.max_model_len - r.num_tokens)) for r in running]
+        )
         draft_tokens = torch.zeros(r_count, depth, dtype=torch.long)
         draft_probs = torch.zeros(r_count, depth, vocab)
         features = np.full((r_count, depth), np.nan)
@@ -324,7 +330,9 @@ class LLMEngine:
             drafted[active] += 1
             features[active, k], raw_qmax[active, k] = self._slot_features(logits, params)
             if self.trace is not None:
-                trace_features = self._trace_features(trace_features, logits, params, active, k, r_count, depth)
+                trace_features = self._trace_features(
+                    trace_features, logits, params, active, k, r_count, depth
+                )
             if self.planner is not None:
                 # Only distributions up to slot k (and so tokens before k) decide whether to draft k + 1.
                 start = time.perf_counter()
@@ -350,7 +358,12 @@ class LLMEngine:
         target_probs[owners, rows] = probs
         uniforms = self._uniforms(running, depth + 1)
         accepted, final = sampler.verify(
-            draft_tokens, draft_probs, target_probs, torch.from_numpy(num_verified), uniforms[:, :depth], uniforms[:, depth]
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            torch.from_numpy(num_verified),
+            uniforms[:, :depth],
+            uniforms[:, depth],
         )
         accepted_np = accepted.numpy()
         timing = StepTiming(
@@ -372,7 +385,9 @@ class LLMEngine:
             request.metrics.add(int(drafted[i]), int(num_verified[i]), a)
         return new_tokens
 
-    def _slot_features(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+    def _slot_features(
+        self, logits: torch.Tensor, params: list[SamplingParams]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """logit(q_max) of the draft distribution at the request's temperature (greedy: 1), before top-p.
 
         It looks at the draft *distribution* only, never at the token drawn from it (losslessness, §5).
@@ -411,7 +426,9 @@ class LLMEngine:
         self.stats.last_verify_budget = int(verified.sum())
         return verified
 
-    def _learn(self, running, features, raw_qmax, drafted, verified, accepted, trace_features, timing) -> None:
+    def _learn(
+        self, running, features, raw_qmax, drafted, verified, accepted, trace_features, timing
+    ) -> None:
         start = time.perf_counter()
         self.stats.count_slots(drafted, verified, accepted)
         predictions = self.estimator.predict(features)

@@ -82,9 +82,12 @@ def _chunks(asset: Asset) -> list[Path]:
 
 def sha256_file(path: Path, progress: str | None = None) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(
-        total=path.stat().st_size, unit="B", unit_scale=True, desc=progress, disable=progress is None
-    ) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=path.stat().st_size, unit="B", unit_scale=True, desc=progress, disable=progress is None
+        ) as bar,
+    ):
         while block := f.read(1 << 22):
             digest.update(block)
             bar.update(len(block))
@@ -95,15 +98,25 @@ def assemble(asset: Asset) -> Path:
     """Return the path of the asset's GGUF file, assembling and hash-checking it on first use."""
     out = cache_dir() / "models" / asset.filename
     stamp = out.with_suffix(".sha256")
-    if out.exists() and stamp.exists() and stamp.read_text().strip() == f"{asset.sha256} {out.stat().st_size}":
+    if (
+        out.exists()
+        and stamp.exists()
+        and stamp.read_text().strip() == f"{asset.sha256} {out.stat().st_size}"
+    ):
         return out
     chunks = _chunks(asset)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
     digest = hashlib.sha256()
-    with open(partial, "wb") as dst, tqdm(
-        total=sum(c.stat().st_size for c in chunks), unit="B", unit_scale=True, desc=f"assembling {asset.name}"
-    ) as bar:
+    with (
+        open(partial, "wb") as dst,
+        tqdm(
+            total=sum(c.stat().st_size for c in chunks),
+            unit="B",
+            unit_scale=True,
+            desc=f"assembling {asset.name}",
+        ) as bar,
+    ):
         for chunk in chunks:
             with open(chunk, "rb") as src:
                 while block := src.read(1 << 22):
