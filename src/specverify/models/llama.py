@@ -1,0 +1,375 @@
+"""The Llama-family decoder (Llama, Qwen2, SmolLM2) over a flattened ragged batch.
+
+One call processes N new tokens belonging to several sequences. Everything that is per-token (embedding,
+projections, MLP) runs once over all N rows, so cost follows N with no padding; attention runs per
+sequence against that sequence's own KV cache; the final norm and the (large) LM head run only on the
+rows whose logits were asked for. Conventions follow Hugging Face: rotate-half RoPE, RMSNorm computed in
+float32, q/k/v bias on Qwen2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of one sequence, all layers: `k[layer]` is `[kv_heads, capacity, head_dim]`.
+
+    Capacity grows geometrically so appending one token at a time does not reallocate every step;
+    `length` is the number of valid positions (rolling back is just lowering it)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self._shape = (config.num_layers, config.num_kv_heads, 0, config.head_dim)
+        self.k = torch.empty(self._shape, dtype=dtype, device=device)
+        self.v = torch.empty(self._shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, needed: int, limit: int) -> None:
+        """Make room for `needed` positions (doubling, at least 64, at most `limit` unless more is needed)."""
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, min(limit, max(64, 2 * self.capacity)))
+        layers, heads, _, head_dim = self._shape
+        shape = (layers, heads, new_cap, head_dim)
+        k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty(shape, dtype=self.v.dtype, device=self.v.device)
+        k[:, :, : self.length] = self.k[:, :, : self.length]
+        v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v = k, v
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a ragged batch: rows `start:end` of the flattened tokens, appended to
+    `cache` at positions `cache.length ..`. The caller bumps `cache.length` after the forward."""
+
+    start: int
+    end: int
+    cache: KVCache
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with HF's linear / llama3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band in between interpolated.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq  # "default"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in float32 (as HF does) so bf16 activations do not lose the scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PackedWeight:
+    """A bf16 weight reordered once into oneDNN's blocked layout (CPU only). Its matmuls run 1.2-2x
+    faster than `F.linear` on the plain layout at the small row counts of decoding and verification."""
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int = 64) -> None:
+        self.shape = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if isinstance(weight, PackedWeight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def can_pack_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN weight packing applies here: CPU, bf16, and a self-check that it agrees with
+    `F.linear` (the ops are PyTorch internals, so a build without them just keeps the plain path)."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 32, generator=g).to(dtype)
+        b = torch.randn(48, generator=g).to(dtype)
+        x = torch.randn(3, 32, generator=g).to(dtype)
+        return torch.allclose(
+            linear(x, PackedWeight(w), b).float(), F.linear(x, w, b).float(), atol=0.05, rtol=0.02
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.attn_norm = nn.Parameter(torch.empty(c.hidden_size), requires_grad=False)
+        # q, k and v share one matmul (one pass over the activations, one bigger GEMM).
+        self.wqkv = nn.Parameter(torch.empty(q_size + 2 * kv_size, c.hidden_size), requires_grad=False)
+        self.bqkv = (
+            nn.Parameter(torch.empty(q_size + 2 * kv_size), requires_grad=False) if c.attention_bias else None
+        )
+        self.wo = nn.Parameter(torch.empty(c.hidden_size, q_size), requires_grad=False)
+        self.bo = (
+            nn.Parameter(torch.empty(c.hidden_size), requires_grad=False) if c.attention_out_bias else None
+        )
+        self.mlp_norm = nn.Parameter(torch.empty(c.hidden_size), requires_grad=False)
+        self.w_gate_up = nn.Parameter(
+            torch.empty(2 * c.intermediate_size, c.hidden_size), requires_grad=False
+        )
+        self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size), requires_grad=False)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.empty(c.hidden_size), requires_grad=False)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size), requires_grad=False)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)
+
+    # ------------------------------------------------------------------ weights
+    @classmethod
+    def from_weights(
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        consume: bool = False,
+    ) -> LlamaModel:
+        """Build from unfused weights named `embed`, `norm`, `lm_head`, `layers.{i}.{attn_norm, q, k, v,
+        q_bias, k_bias, v_bias, o, o_bias, mlp_norm, gate, up, down}` (shapes as in HF: [out, in]).
+        Missing names raise KeyError (`missing_weights` tells beforehand), wrong shapes ValueError.
+        `consume=True` pops entries from `weights` (a dict) as they are fused, so the unfused copies are
+        freed layer by layer instead of doubling peak memory."""
+        missing = missing_weights(config, weights)
+        if missing:
+            raise KeyError(f"missing weights: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+        for name, shape in weight_shapes(config).items():
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        with torch.device("meta"):
+            model = cls(config)
+        device = torch.device(device)
+
+        def take(*names: str) -> nn.Parameter:
+            parts = [
+                (weights.pop(n) if consume else weights[n]).to(device=device, dtype=dtype) for n in names
+            ]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            return nn.Parameter(t.contiguous(), requires_grad=False)
+
+        model.embed = take("embed")
+        model.norm = take("norm")
+        if config.tie_word_embeddings:
+            model.lm_head = None
+        else:
+            model.lm_head = take("lm_head")
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}."
+            layer.attn_norm = take(p + "attn_norm")
+            layer.wqkv = take(p + "q", p + "k", p + "v")
+            layer.bqkv = take(p + "q_bias", p + "k_bias", p + "v_bias") if config.attention_bias else None
+            layer.wo = take(p + "o")
+            layer.bo = take(p + "o_bias") if config.attention_out_bias else None
+            layer.mlp_norm = take(p + "mlp_norm")
+            layer.w_gate_up = take(p + "gate", p + "up")
+            layer.w_down = take(p + "down")
+        freqs = rope_inv_freq(config)
+        if weights.get("rope_freqs") is not None:  # llama3-style GGUFs: per-frequency divisors
+            freqs = freqs / weights["rope_freqs"].float().cpu()
+        model.inv_freq = freqs.to(device)
+        return model
+
+    @property
+    def is_packed(self) -> bool:
+        return len(self.layers) > 0 and isinstance(self.layers[0].wqkv, PackedWeight)
+
+    def pack_weights(self, batch_hint: int = 64) -> None:
+        """Replace the matmul weights by oneDNN-packed copies (see `PackedWeight`; check
+        `can_pack_weights` first). Irreversible; the plain copies are freed. A tied LM head stays plain:
+        the embedding lookup needs the plain table."""
+        if self.is_packed:  # several runners may share one model (e.g. target and draft in tests)
+            return
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                weight = getattr(layer, name)
+                delattr(layer, name)  # unregister the Parameter so a plain attribute can take its place
+                setattr(layer, name, PackedWeight(weight, batch_hint))
+        if self.lm_head is not None:
+            weight = self.lm_head
+            del self.lm_head
+            self.lm_head = PackedWeight(weight, batch_hint)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [N]; chunks: each sequence's rows and cache (writes keys/values at
+        `cache.length ..` but does not bump `length`); logit_rows: indices into N (None: all rows).
+        Returns logits [len(logit_rows), vocab] in the model dtype."""
+        c = self.config
+        n_tokens = input_ids.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h = F.embedding(input_ids, self.embed)
+
+        # cos/sin once per call, shared by all layers: [N, 1, head_dim] to broadcast over heads.
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(h.dtype)[:, None, :], emb.sin().to(h.dtype)[:, None, :]
+        masks = _chunk_masks(chunks, c.num_kv_groups, h.dtype, h.device)
+
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+            qkv = linear(x, layer.wqkv, layer.bqkv)
+            q = qkv[:, :q_size].view(n_tokens, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n_tokens, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(n_tokens, c.num_kv_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            attn = self._attention(index, q, k, v, chunks, masks)
+            h = h + linear(attn, layer.wo, layer.bo)
+
+            x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+            gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer.w_down)
+
+        if logit_rows is not None:
+            if logit_rows.numel() == 0:  # prefill-only call: skip the LM head entirely
+                return h.new_empty(0, c.vocab_size)
+            h = h.index_select(0, logit_rows)
+        h = rms_norm(h, self.norm, c.rms_norm_eps)
+        return linear(h, self.embed if self.lm_head is None else self.lm_head)
+
+    def _attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        masks: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads * d]. Per sequence: write the new keys and
+        values into its cache, then attend over the cache (causal within the new chunk)."""
+        c = self.config
+        groups, kv_heads, head_dim = c.num_kv_groups, c.num_kv_heads, c.head_dim
+        out = torch.empty(q.shape[0], c.num_heads * head_dim, dtype=q.dtype, device=q.device)
+        for chunk, mask in zip(chunks, masks, strict=True):
+            s, e, cache = chunk.start, chunk.end, chunk.cache
+            n, total = e - s, cache.length + e - s
+            cache.k[layer, :, cache.length : total] = k[s:e].transpose(0, 1)
+            cache.v[layer, :, cache.length : total] = v[s:e].transpose(0, 1)
+            # 4-D inputs: SDPA's fused CPU kernel only takes those (3-D falls back to the slow math path).
+            keys, values = cache.k[layer, None, :, :total], cache.v[layer, None, :, :total]
+            # GQA without copying K/V: fold each kv head's query group into the query-length axis,
+            # [n, kv, g, d] -> [kv, g * n, d]; the causal mask is repeated per group to match.
+            if n == 1:  # decode: the fold is a free view
+                qg = q[s].view(1, kv_heads, groups, head_dim)
+                out[s] = F.scaled_dot_product_attention(qg, keys, values).view(-1)
+                continue
+            qg = (
+                q[s:e]
+                .view(n, kv_heads, groups, head_dim)
+                .permute(1, 2, 0, 3)
+                .reshape(1, kv_heads, groups * n, head_dim)
+            )
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+            out[s:e] = o.view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+        return out
+
+
+def _chunk_masks(
+    chunks: Sequence[SeqChunk], groups: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor | None]:
+    """Additive attention masks [groups * n, past + n] per chunk, built once per forward and shared by
+    all layers (None for a single token: it sees the whole cache)."""
+    masks: list[torch.Tensor | None] = []
+    for chunk in chunks:
+        n, past = chunk.end - chunk.start, chunk.cache.length
+        if n == 1:
+            masks.append(None)
+            continue
+        key_pos = torch.arange(past + n, device=device)
+        query_pos = torch.arange(past, past + n, device=device)
+        allowed = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        masks.append(mask)
+    return masks
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight `LlamaModel.from_weights` takes, with its expected shape (HF order, [out, in])."""
+    c = config
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed": (c.vocab_size, c.hidden_size), "norm": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm"] = (c.hidden_size,)
+        shapes[p + "q"] = (q_size, c.hidden_size)
+        shapes[p + "k"] = (kv_size, c.hidden_size)
+        shapes[p + "v"] = (kv_size, c.hidden_size)
+        if c.attention_bias:
+            shapes.update({p + "q_bias": (q_size,), p + "k_bias": (kv_size,), p + "v_bias": (kv_size,)})
+        shapes[p + "o"] = (c.hidden_size, q_size)
+        if c.attention_out_bias:
+            shapes[p + "o_bias"] = (c.hidden_size,)
+        shapes[p + "mlp_norm"] = (c.hidden_size,)
+        shapes[p + "gate"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "up"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "down"] = (c.hidden_size, c.intermediate_size)
+    return shapes
+
+
+def missing_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names `LlamaModel.from_weights` needs that `weights` lacks."""
+    return [n for n in weight_shapes(config) if n not in weights]

@@ -1,0 +1,173 @@
+"""`TorchModelRunner`: the `ModelRunner` protocol (models/base.py) for the PyTorch Llama-family model.
+
+Owns one growable KV cache per sequence id, turns the engine's lists of token ids into one flattened
+ragged batch, and returns float32 logits only for the rows asked for. Validation happens before any
+cache is touched, so a rejected call leaves every sequence as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .llama import KVCache, LlamaModel, SeqChunk, can_pack_weights
+from .model_config import ModelConfig
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use bfloat16, float16 or float32")
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+class TorchModelRunner:
+    """Runs a `LlamaModel` over ragged batches with a per-sequence KV cache (see `ModelRunner`)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        dtype: str | torch.dtype = torch.bfloat16,
+        max_model_len: int | None = None,
+        pack_weights: bool | None = None,
+    ) -> None:
+        """`pack_weights`: reorder bf16 CPU weights for oneDNN (faster matmuls); None = when available,
+        unless the environment sets SPECVERIFY_PACK_WEIGHTS=0."""
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.vocab_size = config.vocab_size
+        limit = config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        if max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
+                f"pass max_model_len <= {limit}"
+            )
+        self.max_model_len = max_model_len
+
+        if model.is_packed and (self.dtype != torch.bfloat16 or self.device.type != "cpu"):
+            raise ValueError(
+                "this model's weights were packed for bf16 on the CPU by another runner; "
+                "load the model again to run it in another dtype or on another device"
+            )
+        inv_freq = model.inv_freq.float()  # RoPE angles stay float32 whatever the weights' dtype
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.inv_freq = inv_freq.to(self.device)
+        if pack_weights is None:
+            pack_weights = os.environ.get("SPECVERIFY_PACK_WEIGHTS", "1") != "0"
+        # The model is modified in place (irreversibly): the runner owns it from here on.
+        self.packed_weights = model.is_packed or (
+            bool(pack_weights) and can_pack_weights(self.dtype, self.device)
+        )
+        if self.packed_weights:
+            self.model.pack_weights()
+        self._caches: dict[int, KVCache] = {}
+
+    # ------------------------------------------------------------------ protocol
+    def forward(
+        self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], num_logits: Sequence[int]
+    ) -> torch.Tensor:
+        if not len(seq_ids) == len(tokens) == len(num_logits):
+            raise ValueError(
+                f"seq_ids, tokens and num_logits must have the same length, got "
+                f"{len(seq_ids)}, {len(tokens)} and {len(num_logits)}"
+            )
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence id appears more than once in one forward: {list(seq_ids)}")
+
+        flat: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (seq_id, start, end)
+        for sid, toks, n_logits in zip(seq_ids, tokens, num_logits, strict=True):
+            n = len(toks)
+            past = self.cache_length(sid)
+            if n_logits < 0 or n_logits > n:
+                raise ValueError(
+                    f"sequence {sid}: num_logits={n_logits} must be between 0 and {n} (its new tokens)"
+                )
+            if past + n > self.max_model_len:
+                raise ValueError(
+                    f"sequence {sid} would hold {past + n} tokens ({past} cached + {n} new), more than "
+                    f"max_model_len={self.max_model_len}; finish or truncate the sequence earlier"
+                )
+            start = len(flat)
+            flat.extend(toks)
+            positions.extend(range(past, past + n))
+            logit_rows.extend(range(start + n - n_logits, start + n))
+            spans.append((sid, start, start + n))
+        if flat:
+            lo, hi = min(flat), max(flat)
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
+
+        if not flat:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        chunks = []
+        for sid, start, end in spans:
+            if start == end:
+                continue  # nothing to append; its cache stays as is
+            cache = self._caches.get(sid)
+            if cache is None:
+                cache = self._caches[sid] = KVCache(self.config, self.dtype, self.device)
+            cache.reserve(cache.length + end - start, self.max_model_len)
+            chunks.append(SeqChunk(start, end, cache))
+
+        with torch.inference_mode():
+            input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            rows = None
+            if len(logit_rows) < len(flat):  # skip the gather when every row's logits are wanted
+                rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+            out = self.model(input_ids, pos, chunks, rows).float()
+        for chunk in chunks:
+            chunk.cache.length += chunk.end - chunk.start
+        return out
+
+    def cache_length(self, seq_id: int) -> int:
+        cache = self._caches.get(seq_id)
+        return 0 if cache is None else cache.length
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        current = self.cache_length(seq_id)
+        if not isinstance(length, int) or length < 0 or length > current:
+            raise ValueError(
+                f"cannot truncate sequence {seq_id} to {length!r} tokens: it holds {current}; "
+                f"the length must be an integer between 0 and {current}"
+            )
+        if seq_id in self._caches:
+            self._caches[seq_id].length = length
+
+    def release(self, seq_id: int) -> None:
+        self._caches.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ extras
+    @property
+    def num_sequences(self) -> int:
+        return len(self._caches)
+
+    def cache_bytes(self) -> int:
+        """Memory held by all KV caches (capacity, not just the valid part)."""
+        return sum(c.nbytes() for c in self._caches.values())
