@@ -190,7 +190,7 @@ def specverify_cache(
         os.environ["SPECVERIFY_CACHE"] = old
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def torch_single_thread() -> Iterator[None]:
     """Small models gain nothing from intra-op threads, and on a shared 2-core machine the thread
     barriers of every tiny op cost more than the op; restores the thread count afterwards."""
