@@ -100,7 +100,8 @@ def test_expensive_verification_turns_speculation_off_and_stays_exact() -> None:
     counts, engine = sample_engine(
         target_fn, draft_fn, params, SPEC, 2000, LENGTH, cost_model=cost_model(5.0)
     )
-    assert engine.stats.verified_tokens == 0
+    # Past the estimator's warm-up only rare probe steps draft at all.
+    assert 0 < engine.stats.verified_tokens < 0.1 * engine.stats.output_tokens
     assert chi_square_pvalue(counts, exact_distribution(target_fn, params, LENGTH)) > ALPHA
 
 

@@ -26,8 +26,11 @@ from specverify.sampling_params import SamplingParams
 
 # How many recent draft features stand for "the next step's drafts" when choosing the draft depth.
 _FEATURE_MEMORY = 512
-# Labels the estimator must have seen before the planner may leave drafts unverified.
+# Labels the estimator must have seen before the planner may skip drafting or leave drafts unverified.
 _WARMUP_LABELS = 200
+# With speculation off, a probe step of this depth (all verified) after this many plain steps.
+_PROBE_EVERY = 48
+_PROBE_DEPTH = 2
 
 
 class PromptError(ValueError):
@@ -120,6 +123,8 @@ class LLMEngine:
         self.calibration = None
         self.trace = None
         self._recent_features: list[np.ndarray] = []
+        self._plain_streak = 0
+        self._probing = False
         if self.spec is not None:
             self._init_speculation(cost_model)
 
@@ -259,6 +264,16 @@ class LLMEngine:
         context = sum(r.num_tokens for r in running)
         depth = int(self.planner.choose_draft_depth(len(running), self._expected_acceptance(), context))
         self.stats.planning_seconds_total += time.perf_counter() - start
+        # Exploration: full drafts until the estimator knows the pair, then a short probe now and then
+        # while speculation is off, so a pessimistic estimate or a changed workload can still be seen.
+        # Both depend only on counters, never on drafts, so losslessness is untouched.
+        self._probing = self.estimator.n_observed_ < _WARMUP_LABELS
+        if self._probing:
+            return k
+        self._plain_streak = self._plain_streak + 1 if depth == 0 else 0
+        if self._plain_streak > _PROBE_EVERY:
+            self._plain_streak, self._probing = 0, True
+            return min(_PROBE_DEPTH, k)
         return depth
 
     def _expected_acceptance(self) -> np.ndarray:
@@ -415,9 +430,9 @@ class LLMEngine:
         return acc
 
     def _admit(self, survival: np.ndarray, drafted: np.ndarray) -> np.ndarray:
-        if self.planner is None or self.estimator.n_observed_ < _WARMUP_LABELS:
-            # Warm-up verifies whole drafts: labels trimmed by a still-uninformed estimator would be
-            # censored, and a pessimistic prior could then never learn it was wrong.
+        if self.planner is None or self._probing:
+            # Warm-up and probes verify whole drafts: labels trimmed by a still-uninformed estimator
+            # would be censored, and a pessimistic prior could then never learn it was wrong.
             verified = drafted.copy()
         else:
             start = time.perf_counter()
