@@ -48,8 +48,23 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict | None:
     return {"method": "draft_model", "num_speculative_tokens": 5, "enable_adaptive_verification": True}
 
 
+def llm_from_args(args: argparse.Namespace, **kwargs):
+    """An `LLM` from the shared model arguments (see `add_model_arguments`)."""
+    from specverify import LLM
+
+    return LLM(
+        model=args.model,
+        speculative_config=speculative_config_from_args(args),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        **kwargs,
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from specverify import LLM, SamplingParams
+    from specverify import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -58,15 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
-    llm = LLM(
-        model=args.model,
-        speculative_config=speculative_config_from_args(args),
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        record_trace=args.record_trace,
-    )
+    llm = llm_from_args(args, record_trace=args.record_trace)
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     try:
         (out,) = llm.generate(prompt, params, use_tqdm=False)

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from specverify.cli import add_model_arguments, speculative_config_from_args
+from specverify.cli import add_model_arguments, llm_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,18 +57,9 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    from specverify.llm import LLM
     from specverify.server.app import SpecverifyServer, create_app
 
-    llm = LLM(
-        model=args.model,
-        speculative_config=speculative_config_from_args(args),
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
+    llm = llm_from_args(args, seed=args.seed)
     app = create_app(
         llm.engine,
         llm.tokenizer,
