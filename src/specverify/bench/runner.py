@@ -1,0 +1,377 @@
+"""Run no speculation / fixed-K / adaptive verification side by side over a concurrency sweep.
+
+All modes share ONE set of loaded models. The sweep is interleaved (for each concurrency, every mode in
+turn) so a slow spell of the machine hits every mode alike. Each (mode, concurrency) point is a fresh
+engine with `max_num_seqs = concurrency` that gets the same prompts and the same per-prompt seeds; all
+prompts are queued at once and continuous batching keeps `concurrency` requests in flight. The adaptive
+mode's estimator (and every mode's calibration record) is carried from point to point, as in one
+long-running server; one cost model serves every adaptive engine and keeps refining itself.
+A short untimed warm-up generation per mode runs before the sweep.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from specverify.calibration import RollingCalibration, scores
+from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
+from specverify.engine.llm_engine import LLMEngine
+from specverify.sampling_params import SamplingParams
+
+MODES = ("none", "fixed", "adaptive")
+
+
+@dataclass
+class BenchConfig:
+    """What one benchmark run does (it goes into results.json as `config`)."""
+
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16, 32])
+    # Prompts per (mode, concurrency) point; never fewer than the concurrency (None: the concurrency).
+    num_prompts: int | None = None
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 0.95
+    num_speculative_tokens: int = 5
+    seed: int = 0
+    ignore_eos: bool = False
+    warmup_tokens: int = 8
+    warmup_prompts: int = 2
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ConfigError(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+        if len(set(self.modes)) != len(self.modes):
+            raise ConfigError(f"modes repeat: {self.modes}")
+        if not self.concurrencies or any(not isinstance(c, int) or c < 1 for c in self.concurrencies):
+            raise ConfigError(f"concurrencies must be positive integers, got {self.concurrencies}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ConfigError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.warmup_tokens < 0:
+            raise ConfigError(f"warmup_tokens must be >= 0 (0: no warm-up), got {self.warmup_tokens}")
+        # Reuse SamplingParams' checks so a bad value fails before any model work.
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
+
+    def prompts_for(self, concurrency: int) -> int:
+        return max(self.num_prompts or 0, concurrency)
+
+
+@dataclass
+class RunResult:
+    """One (mode, concurrency) point. Field names are part of the results.json schema (report.py)."""
+
+    mode: str
+    concurrency: int
+    dataset: str
+    num_prompts: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    drafted_tokens: int
+    verified_tokens: int
+    accepted_tokens: int
+    steps: int
+    request_steps: int  # sum over steps of the requests advanced: tokens per request-step = output / this
+    step_s: float
+    planning_s: float
+    drafted_per_position: list[int]
+    verified_per_position: list[int]
+    accepted_per_position: list[int]
+    finished_by_length: int
+    # Steps that prefilled a prompt, and the pure decode steps, timed apart (decode excludes prefill).
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Counts:
+    request_steps: int = 0
+    by_length: int = 0
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+
+@dataclass
+class BenchRun:
+    """Everything the report needs: the config, one result per point in run order, calibration."""
+
+    config: dict[str, Any]
+    runs: list[RunResult]
+    calibration: dict[str, dict[str, Any]]  # by mode (fixed / adaptive): BenchCalibration.summary()
+    records: dict[str, BenchCalibration] = field(default_factory=dict)  # by mode, for the reliability plot
+    headline: str | None = None  # the mode whose calibration results.json reports: adaptive, else fixed
+
+
+class BenchCalibration(RollingCalibration):
+    """Every labelled draft of one mode's timed runs (no window), for the report and reliability plot.
+
+    The engine feeds it through `update` like its own RollingCalibration; predictions are scored as made,
+    before the estimator learns their labels (prequential).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._all: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def update(self, pred: Any, label: Any, raw_qmax: Any = None) -> None:
+        super().update(pred, label, raw_qmax)
+        p = np.asarray(pred, np.float64).reshape(-1)
+        r = np.full(p.size, np.nan) if raw_qmax is None else np.asarray(raw_qmax, np.float64).reshape(-1)
+        self._all.append((p.copy(), np.asarray(label, np.float64).reshape(-1).copy(), r.copy()))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(predictions, labels, raw q_max) of every labelled draft seen."""
+        if not self._all:
+            return np.zeros(0), np.zeros(0), np.zeros(0)
+        return tuple(np.concatenate(parts) for parts in zip(*self._all, strict=True))
+
+    def summary(self) -> dict[str, Any]:
+        pred, label, raw = self.arrays()
+        est, raw_scores = scores(pred, label), scores(raw, label)
+        return {
+            "ece": _plain(est["ece"]),
+            "auc": _plain(est["auc"]),
+            "raw_qmax_ece": _plain(raw_scores["ece"]),
+            "raw_qmax_auc": _plain(raw_scores["auc"]),
+            "labels": int(label.size),
+            "brier": _plain(est["brier"]),
+            "mean_pred": _plain(est["mean_pred"]),
+            "raw_qmax_mean": _plain(raw_scores["mean_pred"]),
+            "rate": _plain(est["rate"]),
+        }
+
+
+def _plain(value: float) -> float | None:
+    """NaN (e.g. AUC with one class only) becomes None, so results.json stays strict JSON."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class BenchRunner:
+    """Builds one engine per point over shared runners and measures it."""
+
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        draft,
+        config: BenchConfig,
+        *,
+        dataset: str = "custom",
+        speculative: SpeculativeConfig | None = None,
+        cost_model: Any = None,
+        progress: bool = True,
+        engine_factory: Callable[..., LLMEngine] = LLMEngine,
+    ) -> None:
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        if speculative is not None:
+            # The speculative config decides K; the reported config must say the same.
+            config = replace(config, num_speculative_tokens=speculative.num_speculative_tokens)
+        self.config = config
+        self.dataset = dataset
+        self.progress = progress
+        self.cost_model = cost_model
+        self.engine_factory = engine_factory
+        base = speculative or SpeculativeConfig(num_speculative_tokens=config.num_speculative_tokens)
+        self.base_spec = base
+        if draft is None and any(m != "none" for m in config.modes):
+            raise ConfigError("modes 'fixed' and 'adaptive' need a draft model")
+        self._estimator_state: dict[str, dict] = {}
+        self._calibration: dict[str, BenchCalibration] = {}
+
+    # ---- engines ------------------------------------------------------------------------------------
+
+    def spec_for(self, mode: str) -> SpeculativeConfig | None:
+        if mode == "none":
+            return None
+        b = self.base_spec
+        return SpeculativeConfig(
+            method=b.method,
+            model=b.model,
+            num_speculative_tokens=b.num_speculative_tokens,
+            enable_adaptive_verification=mode == "adaptive",
+            estimator=dict(b.estimator),
+            estimator_state=b.estimator_state,
+        )
+
+    def make_engine(self, mode: str, concurrency: int) -> LLMEngine:
+        config = EngineConfig(
+            max_num_seqs=concurrency, seed=self.config.seed, speculative=self.spec_for(mode)
+        )
+        engine = self.engine_factory(
+            self.target,
+            self.tokenizer,
+            config,
+            draft=self.draft if mode != "none" else None,
+            cost_model=self.cost_model if mode == "adaptive" else None,
+        )
+        # One estimator per mode stays warm across the sweep, as it would in a long-running server.
+        if engine.estimator is not None and mode in self._estimator_state:
+            engine.estimator.load_state_dict(self._estimator_state[mode])
+        return engine
+
+    def _keep_estimator(self, mode: str, engine: LLMEngine) -> None:
+        if engine.estimator is not None:
+            self._estimator_state[mode] = engine.estimator.state_dict()
+
+    # ---- generation ---------------------------------------------------------------------------------
+
+    def _params(self, index: int, max_tokens: int) -> SamplingParams:
+        # The same seed for prompt i in every mode, so each mode samples the same way where it can.
+        return SamplingParams(
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            max_tokens=max_tokens,
+            seed=self.config.seed * 1_000_003 + index,
+            ignore_eos=self.config.ignore_eos,
+        )
+
+    def _generate(
+        self, engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, bar: Any = None
+    ) -> _Counts:
+        """Queue every prompt and step until all are done, timing prefill and decode steps apart."""
+        for i, ids in enumerate(prompts):
+            engine.add_request(ids, self._params(i, max_tokens))
+        counts = _Counts()
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - start
+            counts.request_steps += len(outputs)
+            tokens = sum(len(out.new_token_ids) for out in outputs)
+            # A request's first emission means its prompt was prefilled in this step.
+            if any(len(out.output_token_ids) == len(out.new_token_ids) for out in outputs):
+                counts.prefill_steps += 1
+                counts.prefill_s += elapsed
+            else:
+                counts.decode_tokens += tokens
+                counts.decode_s += elapsed
+            counts.by_length += sum(out.finished and out.finish_reason == "length" for out in outputs)
+            if bar is not None:
+                bar.update(tokens)
+        return counts
+
+    def warm_up(self, prompts: Sequence[list[int]]) -> None:
+        """A short untimed generation per mode: lazy allocations and kernel choices happen here."""
+        if self.config.warmup_tokens == 0 or self.config.warmup_prompts == 0:
+            return
+        shortest = sorted(prompts, key=len)[: self.config.warmup_prompts]
+        for mode in self.config.modes:
+            engine = self.make_engine(mode, len(shortest))
+            try:
+                self._generate(engine, shortest, self.config.warmup_tokens)
+                # Keep what the estimator learnt; calibration is scored on the timed runs only.
+                self._keep_estimator(mode, engine)
+            finally:
+                engine.close()
+
+    def run_point(
+        self, mode: str, concurrency: int, prompts: Sequence[list[int]], bar: Any = None
+    ) -> RunResult:
+        engine = self.make_engine(mode, concurrency)
+        if engine.calibration is not None:
+            # One record per mode over all its timed points, like one long-running server.
+            engine.calibration = self._calibration.setdefault(mode, BenchCalibration())
+        try:
+            start = time.perf_counter()
+            counts = self._generate(engine, prompts, self.config.max_tokens, bar)
+            wall = time.perf_counter() - start
+            self._keep_estimator(mode, engine)
+        finally:
+            engine.close()
+        s = engine.stats
+        return RunResult(
+            mode=mode,
+            concurrency=concurrency,
+            dataset=self.dataset,
+            num_prompts=len(prompts),
+            output_tokens=int(s.output_tokens),
+            wall_s=wall,
+            tokens_per_s=s.output_tokens / wall if wall > 0 else 0.0,
+            drafted_tokens=int(s.drafted_tokens),
+            verified_tokens=int(s.verified_tokens),
+            accepted_tokens=int(s.accepted_tokens),
+            steps=int(s.steps),
+            request_steps=counts.request_steps,
+            step_s=float(s.step_seconds_total),
+            planning_s=float(s.planning_seconds_total),
+            drafted_per_position=list(s.drafted_per_position),
+            verified_per_position=list(s.verified_per_position),
+            accepted_per_position=list(s.accepted_per_position),
+            finished_by_length=counts.by_length,
+            prefill_steps=counts.prefill_steps,
+            prefill_s=counts.prefill_s,
+            decode_tokens=counts.decode_tokens,
+            decode_s=counts.decode_s,
+            decode_tokens_per_s=counts.decode_tokens / counts.decode_s if counts.decode_s > 0 else None,
+        )
+
+    def run(
+        self, prompts: Sequence[list[int]], on_result: Callable[[BenchRun], None] | None = None
+    ) -> BenchRun:
+        """Warm up, then for each concurrency run every mode on the first `prompts_for(c)` prompts.
+
+        `on_result` gets the results so far after every point (the CLI saves them as it goes)."""
+        cfg = self.config
+        needed = max(cfg.prompts_for(c) for c in cfg.concurrencies)
+        if len(prompts) < needed:
+            raise ValueError(f"the sweep needs {needed} prompts per point but only {len(prompts)} were given")
+        self.warm_up(prompts)
+        runs: list[RunResult] = []
+        points = [(c, m) for c in cfg.concurrencies for m in cfg.modes]
+        with tqdm(total=len(points), desc="bench", unit="run", disable=not self.progress) as outer:
+            for c, mode in points:
+                subset = prompts[: cfg.prompts_for(c)]
+                outer.set_description(f"bench c={c} {mode}")
+                with tqdm(
+                    total=len(subset) * cfg.max_tokens,
+                    desc=f"  {mode} c={c}",
+                    unit="tok",
+                    leave=False,
+                    disable=not self.progress,
+                ) as bar:
+                    result = self.run_point(mode, c, subset, bar)
+                runs.append(result)
+                outer.set_postfix_str(f"{result.tokens_per_s:.1f} tok/s")
+                outer.update(1)
+                if on_result is not None:
+                    on_result(self.snapshot(runs))
+        return self.snapshot(runs)
+
+    def snapshot(self, runs: list[RunResult]) -> BenchRun:
+        """The results so far (the whole run once `run` returns)."""
+        calibration = {mode: record.summary() for mode, record in self._calibration.items()}
+        headline = next((m for m in ("adaptive", "fixed") if m in self._calibration), None)
+        config = asdict(self.config)
+        config["dataset"] = self.dataset
+        config["speculative_config"] = {
+            "method": self.base_spec.method,
+            "model": self.base_spec.model,
+            "num_speculative_tokens": self.base_spec.num_speculative_tokens,
+            "estimator": dict(self.base_spec.estimator),
+        }
+        return BenchRun(
+            config=config,
+            runs=list(runs),
+            calibration=calibration,
+            records=dict(self._calibration),
+            headline=headline,
+        )
