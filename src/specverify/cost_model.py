@@ -188,6 +188,10 @@ class CostModel:
     ) -> None:
         self._params = dict(alpha_global=alpha_global, alpha_bucket=alpha_bucket, clip=clip, warmup=warmup)
         self.target = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **self._params)
+        # A plain step (no drafts) learns apart from the verify phase: verification carries overhead of
+        # its own (probabilities and rejection sampling over every verified row), and a factor shared
+        # with it made plain decoding look slower than it is, keeping speculation on where it lost.
+        self.plain = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **self._params)
         self.draft = (
             None
             if draft_tokens is None
@@ -230,6 +234,14 @@ class CostModel:
             t = np.maximum(t + extra, 0.5 * np.asarray(t))
             t = float(t) if np.ndim(t) == 0 else t
         return t
+
+    def plain_time(self, num_tokens: ArrayLike) -> ArrayLike:
+        """Seconds for one whole step without speculation over `num_tokens` tokens."""
+        return self.plain.predict(num_tokens)
+
+    def observe_plain(self, num_tokens: int, seconds: float) -> None:
+        """Feed the measured time of one step without speculation."""
+        self.plain.observe(float(num_tokens), float(seconds))
 
     def draft_time(self, batch_tokens: ArrayLike) -> ArrayLike:
         """Seconds for one draft forward over `batch_tokens` tokens (0 when there is no draft profile)."""
@@ -279,6 +291,7 @@ class CostModel:
             "version": 1,
             "params": dict(self._params),
             "target": self.target.to_dict(),
+            "plain": self.plain.to_dict(),
             "draft": None if self.draft is None else self.draft.to_dict(),
             "context": {
                 "fit": self.fit_context,
@@ -310,6 +323,7 @@ class CostModel:
             context_min_obs=ctx.get("min_obs", 30),
         )
         model.target = _Curve.from_dict(d["target"], **model._params)
+        model.plain = _Curve.from_dict(d.get("plain", d["target"]), **model._params)
         if d.get("draft") is not None:
             model.draft = _Curve.from_dict(d["draft"], **model._params)
         model.context_ref = float(ctx.get("ref", 0.0))

@@ -149,6 +149,8 @@ class AdaptivePlanner:
         tokens = r_count + gain * scale
         draft_cost = depths * self.cost.draft_time(r_count)
         seconds = draft_cost[:, None] + self.cost.target_time(r_count + budget_tokens, context_tokens)
+        # Depth 0 is a plain step, with its own measured cost (no verification overhead).
+        seconds[depths == 0] = self.cost.plain_time(r_count)
         rate = tokens / np.maximum(seconds, 1e-12)
         best = np.argmax(rate, axis=1)
         rows = np.arange(depths.size)
@@ -243,7 +245,7 @@ class AdaptivePlanner:
         )
         rate = self.expected_rate
         if rate <= 0.0:  # no plan yet: compare with plain decoding
-            rate = r_all / max(float(self.cost.target_time(r_all, ctx)), 1e-12)
+            rate = r_all / max(float(self.cost.plain_time(r_all)), 1e-12)
         best = int(np.argmax(g_cum - rate * cost))
         out = np.zeros(n, dtype=bool)
         out[order[:best]] = True

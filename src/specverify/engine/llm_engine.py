@@ -305,9 +305,8 @@ class LLMEngine:
         probs = sampler.probabilities(sampler.apply_target_transforms(logits, params), params)
         tokens = sampler.sample(probs, self._uniforms(running, 1)[:, 0])
         if self.planner is not None:
-            # Plain steps keep the target's cost curve fresh too (speculation may be off at this load).
-            context = sum(r.num_tokens for r in running)
-            self.planner.cost.observe_target(sum(map(len, feeds)), time.perf_counter() - start, context)
+            # Plain steps keep their own cost curve fresh (speculation may be off at this load).
+            self.planner.cost.observe_plain(sum(map(len, feeds)), time.perf_counter() - start)
         return [[t] for t in tokens.tolist()]
 
     def _speculative_step(self, running: list[Request], depth: int) -> list[list[int]]:
