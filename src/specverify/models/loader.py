@@ -222,13 +222,18 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def _gguf_canonical(name: str) -> str | None:
-    if name in _GGUF_TOP_NAMES:
-        return _GGUF_TOP_NAMES[name]
-    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+def _canonical(name: str, top: dict[str, str], layer_pattern: str, layer_names: dict[str, str]) -> str | None:
+    """Map a checkpoint's tensor name to ours (`embed`, `layers.N.q`, ...); None for tensors we skip."""
+    if name in top:
+        return top[name]
+    m = re.fullmatch(layer_pattern, name)
+    if m and m.group(2) in layer_names:
+        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
+
+
+def _gguf_canonical(name: str) -> str | None:
+    return _canonical(name, _GGUF_TOP_NAMES, r"blk\.(\d+)\.(.+)", _GGUF_LAYER_NAMES)
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -336,12 +341,7 @@ _HF_TOP_NAMES = {
 
 
 def _hf_canonical(name: str) -> str | None:
-    if name in _HF_TOP_NAMES:
-        return _HF_TOP_NAMES[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _HF_LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
-    return None
+    return _canonical(name, _HF_TOP_NAMES, r"model\.layers\.(\d+)\.(.+)", _HF_LAYER_NAMES)
 
 
 def _hf_config(directory: Path) -> ModelConfig:
