@@ -386,7 +386,9 @@ class LLMEngine:
             draft_forwards=draft_timings,
             context_tokens=sum(r.num_tokens for r in running),
         )
-        self._learn(running, features, raw_qmax, drafted, num_verified, accepted_np, trace_features, timing)
+        self._learn(
+            running, features, raw_qmax, survival, drafted, num_verified, accepted_np, trace_features, timing
+        )
 
         new_tokens = []
         for i, request in enumerate(running):
@@ -441,7 +443,7 @@ class LLMEngine:
         return verified
 
     def _learn(
-        self, running, features, raw_qmax, drafted, verified, accepted, trace_features, timing
+        self, running, features, raw_qmax, survival, drafted, verified, accepted, trace_features, timing
     ) -> None:
         start = time.perf_counter()
         self.stats.count_slots(drafted, verified, accepted)
@@ -456,7 +458,7 @@ class LLMEngine:
             self.estimator.observe(features[trains], verified[trains], accepted[trains])
         self._remember_features(features)
         if self.planner is not None:
-            survival = np.where(np.isfinite(features), np.cumprod(np.nan_to_num(predictions), axis=1), 0.0)
+            # The survivals computed while drafting (0 beyond each request's drafted depth).
             self.planner.end_step(
                 survival,
                 verified,
