@@ -60,7 +60,7 @@ class DraftAllPlanner(AdaptivePlanner):
     """The real admission rule with a threshold fixed in advance; every request drafts all K slots, so
     admission (not early stopping) is what trims."""
 
-    def choose_draft_depth(self, num_requests, expected_p=None, context_tokens=0):
+    def choose_draft_depth(self, num_requests, expected_p=None, context_tokens=0, **feeds):
         return self.k
 
     def should_continue(self, survival_so_far, depth_done, *args, **kwargs):
@@ -108,7 +108,7 @@ def test_expensive_verification_turns_speculation_off_and_stays_exact() -> None:
 class PeekingPlanner(AdaptivePlanner):
     """Broken on purpose: verifies slot k only when slot k + 1 looks promising (depends on the token at k)."""
 
-    def choose_draft_depth(self, num_requests, expected_p=None, context_tokens=0):
+    def choose_draft_depth(self, num_requests, expected_p=None, context_tokens=0, **feeds):
         return self.k
 
     def should_continue(self, survival_so_far, depth_done, *args, **kwargs):

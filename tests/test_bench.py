@@ -116,8 +116,15 @@ def test_a_tokenizer_without_chat_template_gets_plain_text() -> None:
 
 
 def run_toy_bench(
-    tmp_path: Path, modes=("none", "fixed", "adaptive"), concurrencies=(1, 3)
+    tmp_path: Path,
+    modes=("none", "fixed", "adaptive"),
+    concurrencies=(1, 3),
+    keep: dict | None = None,
+    **overrides,
 ) -> tuple[dict, list]:
+    """A toy sweep; `engines` lists (mode, engine) in creation order, each engine's `requests` the
+    (prompt ids, SamplingParams) it was given and `initial_estimator` its estimator's state when its
+    first request came (None without an estimator). `keep` gets the runner as "runner"."""
     target, tokenizer, draft = toy_models()
     engines: list[tuple[str, LLMEngine]] = []
 
@@ -126,9 +133,21 @@ def run_toy_bench(
         spec = engine.config.speculative
         mode = "none" if spec is None else ("adaptive" if spec.enable_adaptive_verification else "fixed")
         engines.append((mode, engine))
+        engine.requests = []
+        add_request = engine.add_request
+
+        def recording_add_request(ids, params, *a, **k):
+            if not engine.requests:
+                # By now the runner has loaded the state it carries over into the fresh engine.
+                estimator = engine.estimator
+                engine.initial_estimator = None if estimator is None else estimator.state_dict()
+            engine.requests.append((list(ids), params))
+            return add_request(ids, params, *a, **k)
+
+        engine.add_request = recording_add_request
         return engine
 
-    config = BenchConfig(
+    settings = dict(
         modes=list(modes),
         concurrencies=list(concurrencies),
         max_tokens=10,
@@ -139,6 +158,7 @@ def run_toy_bench(
         num_speculative_tokens=3,
         warmup_tokens=2,
     )
+    config = BenchConfig(**{**settings, **overrides})
     prompts = datasets.encode_prompts(tokenizer, datasets.load_prompts("mtbench", 4))
     runner = BenchRunner(
         target,
@@ -151,6 +171,8 @@ def run_toy_bench(
         progress=False,
         engine_factory=factory,
     )
+    if keep is not None:
+        keep["runner"] = runner
     bench = runner.run(prompts)
     results = write_report(bench, tmp_path, {"target": "toy", "draft": "toy-draft"})
     return results, engines
@@ -241,14 +263,15 @@ def test_plots_are_written(toy_bench) -> None:
 def test_the_adaptive_estimator_and_calibration_stay_warm_across_points(toy_bench) -> None:
     _, engines, _ = toy_bench
     adaptive = [e for mode, e in engines if mode == "adaptive"]
-    assert len(adaptive) == 3  # warm-up + two points
-    # The record is shared by the timed points (not the warm-up), and the estimator continues.
-    assert adaptive[1].calibration is adaptive[2].calibration
+    assert len(adaptive) == 4  # warm-up + two rounds at c=1 + one round at c=3
+    # The record is shared by the timed rounds (not the warm-up), and the estimator continues.
+    assert all(e.calibration is adaptive[1].calibration for e in adaptive[2:])
     assert adaptive[0].calibration is not adaptive[1].calibration
-    assert adaptive[2].estimator.state_dict() != adaptive[0].estimator.state_dict()
+    assert adaptive[-1].estimator.state_dict() != adaptive[0].estimator.state_dict()
     # Each engine shared the same runners and the one cost model.
     assert len({id(e.target) for _, e in engines}) == 1
-    assert adaptive[1].planner is not None and adaptive[1].planner.cost is adaptive[2].planner.cost
+    assert adaptive[1].planner is not None
+    assert all(e.planner.cost is adaptive[1].planner.cost for e in adaptive[2:])
 
 
 def test_run_rows_computes_ratios_and_rates_from_counts() -> None:
@@ -326,7 +349,8 @@ def test_table_shows_every_point_and_the_calibration(tmp_path: Path) -> None:
     results, _ = run_toy_bench(tmp_path, modes=("none", "adaptive"), concurrencies=(2,))
     table = format_table(results)
     assert "tok/s" in table and "x none" in table
-    assert len([line for line in table.splitlines() if line.strip().startswith("2 ")]) == 2
+    # T=1, concurrency 2: one row per mode.
+    assert len([line for line in table.splitlines() if line.split()[:2] == ["1", "2"]]) == 2
     assert "ECE" in table and "AUC" in table and "raw q_max" in table
     assert results["runs"][1]["speedup_vs_fixed"] is None  # no fixed run
 
@@ -339,6 +363,237 @@ def test_results_json_has_nulls_not_nans(tmp_path: Path) -> None:
     assert results["plots"]["reliability"] is None
 
 
+# ---- temperature sweep and min-prompts --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_temperature_bench(tmp_path_factory) -> tuple[dict, list, Path]:
+    out = tmp_path_factory.mktemp("bench-temperatures")
+    results, engines = run_toy_bench(
+        out, concurrencies=(1, 2), temperature=[1.0, 0.0], num_prompts=None, min_prompts=2
+    )
+    return results, engines, out
+
+
+def test_a_temperature_sweep_tags_every_run_and_interleaves_modes_within_it(two_temperature_bench) -> None:
+    results, engines, out = two_temperature_bench
+    assert results["config"]["temperature"] == [1.0, 0.0]
+    assert results["config"]["min_prompts"] == 2
+    modes = ["none", "fixed", "adaptive"]
+    # for t in temperatures: for c in concurrencies: for mode in modes
+    assert [(r["temperature"], r["concurrency"], r["mode"]) for r in results["runs"]] == [
+        (t, c, m) for t in (1.0, 0.0) for c in (1, 2) for m in modes
+    ]
+    # 2 prompts per point: two rounds of one at c=1, one round of two at c=2.
+    assert [r["rounds"] for r in results["runs"]] == [2, 2, 2, 1, 1, 1] * 2
+    assert all(r["num_prompts"] == 2 for r in results["runs"])
+    # One warm-up engine per mode, then one engine per (mode, round), three rounds per temperature.
+    timed = engines[len(modes) :]
+    assert len(timed) == 2 * 3 * len(modes)
+    for i, (_, engine) in enumerate(timed):
+        temperature = 1.0 if i < len(timed) // 2 else 0.0
+        assert {params.temperature for _, params in engine.requests} == {temperature}
+    # Within each round every mode got the same prompts with the same seeds.
+    for i in range(0, len(timed), len(modes)):
+        round_ = timed[i : i + len(modes)]
+        assert sorted(mode for mode, _ in round_) == sorted(modes)
+        sent = [[(ids, p.seed, p.temperature) for ids, p in e.requests] for _, e in round_]
+        assert sent[0] == sent[1] == sent[2]
+    # The adaptive estimator and calibration record carry across temperatures.
+    adaptive = [e for mode, e in engines if mode == "adaptive"]
+    assert len(adaptive) == 7  # warm-up + 2 temperatures x 3 rounds
+    assert all(e.calibration is adaptive[1].calibration for e in adaptive[2:])
+    assert adaptive[-1].estimator.state_dict() != adaptive[1].estimator.state_dict()
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk == results
+    assert (out / results["plots"]["throughput"]).read_bytes()[:8] == PNG_MAGIC
+    table = format_table(results)
+    assert "T=1,0" in table
+    for t in ("1", "0"):
+        assert len([line for line in table.splitlines() if line.split()[:1] == [t]]) == 6
+
+
+def test_ratios_compare_runs_of_the_same_temperature(two_temperature_bench) -> None:
+    results, _, _ = two_temperature_bench
+    tps = {(r["mode"], r["temperature"], r["concurrency"]): r["tokens_per_s"] for r in results["runs"]}
+    for r in results["runs"]:
+        point = (r["temperature"], r["concurrency"])
+        assert r["speedup_vs_none"] == pytest.approx(tps[(r["mode"], *point)] / tps[("none", *point)])
+        assert r["speedup_vs_fixed"] == pytest.approx(tps[(r["mode"], *point)] / tps[("fixed", *point)])
+
+
+def test_run_rows_never_mixes_temperatures() -> None:
+    def run(mode: str, temperature: float, tokens_per_s: float) -> dict:
+        return dict(
+            mode=mode,
+            concurrency=1,
+            temperature=temperature,
+            dataset="x",
+            wall_s=1.0,
+            steps=10,
+            step_s=1.0,
+            output_tokens=10,
+            tokens_per_s=tokens_per_s,
+            drafted_tokens=0,
+            verified_tokens=0,
+            accepted_tokens=0,
+            request_steps=10,
+            planning_s=0.0,
+            decode_tokens_per_s=tokens_per_s,
+        )
+
+    rows = run_rows(
+        [run("none", 1.0, 10.0), run("fixed", 1.0, 20.0), run("none", 0.0, 40.0), run("fixed", 0.0, 20.0)]
+    )
+    assert [r["speedup_vs_none"] for r in rows] == [1.0, 2.0, 1.0, 0.5]
+    assert [r["decode_speedup_vs_none"] for r in rows] == [1.0, 2.0, 1.0, 0.5]
+    assert [r["speedup_vs_fixed"] for r in rows] == [0.5, 1.0, 2.0, 1.0]
+
+
+def test_min_prompts_sets_the_floor_unless_num_prompts_is_given(tmp_path: Path) -> None:
+    assert BenchConfig().min_prompts == 4 and BenchConfig().prompts_for(1) == 4
+    config = BenchConfig(concurrencies=[1, 4, 8], min_prompts=3)
+    assert [config.prompts_for(c) for c in config.concurrencies] == [3, 4, 8]
+    explicit = BenchConfig(num_prompts=2, min_prompts=6)  # --num-prompts wins, as before
+    assert explicit.prompts_for(1) == 2 and explicit.prompts_for(4) == 4
+    with pytest.raises(ConfigError, match="min_prompts"):
+        BenchConfig(min_prompts=0)
+
+    results, engines = run_toy_bench(
+        tmp_path, modes=("none", "fixed"), concurrencies=(1,), num_prompts=None, min_prompts=3
+    )
+    assert results["config"]["min_prompts"] == 3 and results["config"]["num_prompts"] is None
+    for run in results["runs"]:
+        assert run["concurrency"] == 1 and run["num_prompts"] == 3 and run["rounds"] == 3
+        assert run["output_tokens"] == 3 * 10 and run["prefill_steps"] == 3  # one after the other
+    timed = engines[2:]  # after the two warm-ups: one engine per (mode, round)
+    sent = {m: [ids for mode, e in timed if mode == m for ids, _ in e.requests] for m in ("none", "fixed")}
+    assert sent["none"] == sent["fixed"]
+    assert len({tuple(ids) for ids in sent["none"]}) == 3
+
+
+# ---- round-robin within a point ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def round_robin_bench(tmp_path_factory) -> tuple[dict, list, BenchRunner]:
+    # 3 prompts per point: three rounds of one at c=1, then a round of two and one of one at c=2.
+    keep: dict = {}
+    results, engines = run_toy_bench(
+        tmp_path_factory.mktemp("bench-rounds"), concurrencies=(1, 2), num_prompts=3, keep=keep
+    )
+    return results, engines, keep["runner"]
+
+
+def _rotated(modes: list[str], n: int) -> list[str]:
+    return modes[n % len(modes) :] + modes[: n % len(modes)]
+
+
+def test_modes_take_turns_round_by_round_in_a_rotating_order(round_robin_bench) -> None:
+    results, engines, runner = round_robin_bench
+    modes = ["none", "fixed", "adaptive"]
+    # The rotation continues across points: the c=2 point's rounds are the sweep's 4th and 5th.
+    expected = [(1.0, 1, r, m) for r in range(3) for m in _rotated(modes, r)] + [
+        (1.0, 2, r, m) for r in range(2) for m in _rotated(modes, 3 + r)
+    ]
+    assert runner.schedule == expected
+    timed = engines[len(modes) :]  # after one warm-up engine per mode
+    assert [mode for mode, _ in timed] == [mode for *_, mode in expected]
+    assert {expected[i][3] for i in range(0, len(expected), len(modes))} == set(modes)  # first in turn
+    prompts = datasets.encode_prompts(ChatToyTokenizer(VOCAB), datasets.load_prompts("mtbench", 4))
+    for (_, engine), (_, c, r, _) in zip(timed, expected, strict=True):
+        assert engine.config.max_num_seqs == c
+        # Round r holds the point's prompts r*c .. r*c + c - 1 (the last round fewer), each seeded by
+        # its index in the point (config seed 0: the seed is the index).
+        indices = list(range(r * c, min(r * c + c, 3)))
+        assert [ids for ids, _ in engine.requests] == [prompts[i] for i in indices]
+        assert [params.seed for _, params in engine.requests] == indices
+    # Results stay one run per mode and point, in the configured mode order.
+    assert [(r["concurrency"], r["mode"], r["rounds"]) for r in results["runs"]] == [
+        (c, m, n) for c, n in ((1, 3), (2, 2)) for m in modes
+    ]
+
+
+def test_every_mode_gets_the_same_prompts_and_seeds_in_every_round(round_robin_bench) -> None:
+    _, engines, runner = round_robin_bench
+    timed = engines[3:]
+    by_round: dict[tuple, list] = {}
+    for (_, engine), (t, c, r, _) in zip(timed, runner.schedule, strict=True):
+        sent = [(ids, p.seed, p.temperature, p.top_p, p.max_tokens) for ids, p in engine.requests]
+        by_round.setdefault((t, c, r), []).append(sent)
+    assert len(by_round) == 5
+    for sent in by_round.values():
+        assert len(sent) == 3 and sent[0] == sent[1] == sent[2] and sent[0]
+
+
+def test_a_run_sums_its_rounds(round_robin_bench) -> None:
+    results, engines, runner = round_robin_bench
+    rounds: dict[tuple, list] = {}
+    for (_, engine), (_, c, _, mode) in zip(engines[3:], runner.schedule, strict=True):
+        rounds.setdefault((mode, c), []).append(engine.stats)
+    assert len(results["runs"]) == len(rounds) == 6
+
+    def summed(lists: list[list[int]]) -> list[int]:
+        width = max(map(len, lists))
+        return [sum(x[k] for x in lists if k < len(x)) for k in range(width)]
+
+    for run in results["runs"]:
+        stats = rounds[(run["mode"], run["concurrency"])]
+        assert run["rounds"] == len(stats) == (3 if run["concurrency"] == 1 else 2)
+        for key, attr in (
+            ("output_tokens", "output_tokens"),
+            ("drafted_tokens", "drafted_tokens"),
+            ("verified_tokens", "verified_tokens"),
+            ("accepted_tokens", "accepted_tokens"),
+            ("steps", "steps"),
+        ):
+            assert run[key] == sum(getattr(s, attr) for s in stats), key
+        assert run["step_s"] == pytest.approx(sum(s.step_seconds_total for s in stats))
+        assert run["planning_s"] == pytest.approx(sum(s.planning_seconds_total for s in stats))
+        for key in ("drafted_per_position", "verified_per_position", "accepted_per_position"):
+            assert run[key] == summed([getattr(s, key) for s in stats]), key
+        # 3 prompts x 10 tokens in every mode; each round prefilled its prompts in its first step.
+        assert run["num_prompts"] == 3 and run["output_tokens"] == 30 and run["finished_by_length"] == 3
+        assert run["prefill_steps"] == run["rounds"]
+        assert 0 < run["decode_tokens"] < run["output_tokens"]
+        assert run["prefill_s"] + run["decode_s"] <= run["wall_s"]
+        assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
+        if run["mode"] == "none":
+            assert run["request_steps"] == run["output_tokens"]  # one token per request-step
+        else:
+            assert run["drafted_tokens"] > max(s.drafted_tokens for s in stats)  # every round drafted
+
+
+def test_estimators_and_calibration_carry_across_rounds(round_robin_bench) -> None:
+    _, engines, _ = round_robin_bench
+    for mode in ("fixed", "adaptive"):
+        chain = [e for m, e in engines if m == mode]
+        assert len(chain) == 1 + 5  # warm-up + five rounds
+        # Each fresh engine starts where the mode's previous one stopped, warm-up included.
+        for before, after in zip(chain, chain[1:], strict=False):
+            assert after.initial_estimator == before.estimator.state_dict()
+        learnt = [e.estimator.state_dict()["n_observed"] for e in chain]
+        assert learnt == sorted(learnt) and learnt[-1] > learnt[0]
+        # One calibration record per mode over every timed round.
+        assert all(e.calibration is chain[1].calibration for e in chain[2:])
+        assert chain[0].calibration is not chain[1].calibration
+    adaptive = [e for m, e in engines if m == "adaptive"][1:]
+    assert all(e.planner.cost is adaptive[0].planner.cost for e in adaptive)
+    assert all(e.initial_estimator is None for m, e in engines if m == "none")
+
+
+def test_rounds_raise_the_prompts_per_point() -> None:
+    config = BenchConfig(concurrencies=[1, 4], rounds=3)
+    assert [config.prompts_for(c) for c in (1, 4)] == [4, 12]  # min_prompts 4 still holds at c=1
+    assert [config.rounds_for(c) for c in (1, 4)] == [4, 3]
+    explicit = BenchConfig(num_prompts=5, rounds=2)
+    assert explicit.prompts_for(1) == 5 and explicit.prompts_for(4) == 8 and explicit.rounds_for(4) == 2
+    assert BenchConfig(num_prompts=5).rounds_for(3) == 2  # 3 + 2: the last round is smaller
+    assert BenchConfig().rounds == 1 and BenchConfig().rounds_for(16) == 1
+    with pytest.raises(ConfigError, match="rounds"):
+        BenchConfig(rounds=0)
+
+
 def test_bad_configs_fail_before_any_model_work() -> None:
     with pytest.raises(ConfigError, match="unknown modes"):
         BenchConfig(modes=["fast"])
@@ -346,6 +601,11 @@ def test_bad_configs_fail_before_any_model_work() -> None:
         BenchConfig(concurrencies=[0])
     with pytest.raises(ValueError, match="top_p"):
         BenchConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        BenchConfig(temperature=[1.0, -0.5])
+    with pytest.raises(ConfigError, match="temperatures repeat"):
+        BenchConfig(temperature=[1.0, 1.0])
+    assert BenchConfig(temperature=[0.7]).temperature == 0.7  # one value stays a float
     target, tokenizer, _ = toy_models()
     with pytest.raises(ConfigError, match="draft"):
         BenchRunner(target, tokenizer, None, BenchConfig(modes=["none", "fixed"]), progress=False)
@@ -378,9 +638,33 @@ def test_cli_options_parse() -> None:
     )
     assert args.concurrency == [1, 4, 8] and args.modes == ["fixed", "adaptive"] and args.dataset == "gsm8k"
     assert args.output_dir == "bench-results" and args.top_p == 0.9
-    for bad in (["--concurrency", "1,x"], ["--concurrency", "0"], ["--modes", "none,turbo"]):
+    assert args.temperature == [1.0] and args.min_prompts is None and args.rounds == 1
+    args = bench_parser().parse_args(
+        ["bench", "--temperature", "1, 0", "--min-prompts", "3", "--rounds", "2"]
+    )
+    assert args.temperature == [1.0, 0.0] and args.min_prompts == 3 and args.rounds == 2
+    for bad in (
+        ["--concurrency", "1,x"],
+        ["--concurrency", "0"],
+        ["--modes", "none,turbo"],
+        ["--min-prompts", "0"],
+        ["--rounds", "0"],
+        ["--temperature", "1,x"],
+        ["--temperature", "1,1"],
+    ):
         with pytest.raises(SystemExit):
             bench_parser().parse_args(["bench", *bad])
+
+
+@pytest.mark.parametrize(
+    "bad", [["--temperature", "1,-0.5"], ["--temperature=-1"], ["--temperature", "0,nan"]]
+)
+def test_cli_rejects_a_negative_temperature_in_the_list(bad, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench_parser().parse_args(["bench", *bad])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --temperature" in err and "must be >= 0" in err
 
 
 def test_cli_end_to_end_on_toy_models(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -416,9 +700,42 @@ def test_cli_end_to_end_on_toy_models(tmp_path: Path, monkeypatch, capsys) -> No
     assert len(results["runs"]) == 6 and results["config"]["num_speculative_tokens"] == 2
     assert results["config"]["dataset"] == "mixed" and results["config"]["target"] == "toy"
     assert results["config"]["partial"] is False
+    # Default: one temperature, a float as before; at least 4 prompts per point.
+    assert results["config"]["temperature"] == 1.0 and results["config"]["min_prompts"] == 4
+    assert [r["num_prompts"] for r in results["runs"]] == [4] * 6
+    assert results["config"]["rounds"] == 1
+    assert [r["rounds"] for r in results["runs"]] == [4] * 3 + [2] * 3  # rounds of c prompts
     assert (tmp_path / "profiles.json").exists()
     printed = capsys.readouterr().out
     assert "adaptive" in printed and "tok/s" in printed
+
+
+def test_cli_quick_sweeps_temperatures_with_its_own_min_prompts_and_rounds(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    target, tokenizer, draft = toy_models()
+    monkeypatch.setattr(
+        "specverify.llm.load_models",
+        lambda *a, **k: LoadedModels(target, tokenizer, draft, "toy", "toy-draft"),
+    )
+    out = tmp_path / "out"
+    args = bench_parser().parse_args(
+        ["bench", "--quick", "--modes", "none,fixed", "--concurrency", "1", "--temperature", "1,0",
+         "--max-tokens", "4", "--output-dir", str(out), "--no-progress", "--warmup-tokens", "0",
+         "--speculative-config", '{"num_speculative_tokens": 2}', "--rounds", "3"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["temperature"] == [1.0, 0.0] and results["config"]["min_prompts"] == 2
+    assert results["config"]["rounds"] == 3
+    # --rounds 3 at c=1 asks for 3 prompts, over the quick floor of 2.
+    assert [(r["temperature"], r["mode"], r["num_prompts"], r["rounds"]) for r in results["runs"]] == [
+        (1.0, "none", 3, 3),
+        (1.0, "fixed", 3, 3),
+        (0.0, "none", 3, 3),
+        (0.0, "fixed", 3, 3),
+    ]
+    assert "T=1,0" in capsys.readouterr().out
 
 
 def test_the_specverify_command_registers_bench() -> None:
@@ -445,7 +762,8 @@ def test_bench_runs_on_a_real_model_pair(smollm2_gguf, specverify_cache, tmp_pat
     spec = json.dumps({"model": str(smollm2_gguf), "num_speculative_tokens": 3})
     args = bench_parser().parse_args(
         ["bench", "--model", str(smollm2_gguf), "--speculative-config", spec, "--dataset", "mtbench",
-         "--concurrency", "2", "--max-tokens", "8", "--warmup-tokens", "2", "--no-progress",
+         "--concurrency", "2", "--min-prompts", "2", "--max-tokens", "8", "--warmup-tokens", "2",
+         "--no-progress",
          "--output-dir", str(out), "--profile-cache", str(tmp_path / "profiles.json")]
     )  # fmt: skip
     assert args.func(args) == 0

@@ -186,3 +186,41 @@ def test_requests_with_logit_bias_do_not_train_the_estimator() -> None:
     run_all(engine)
     assert engine.stats.verified_tokens > 0
     assert engine.estimator.state_dict() == before
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_probes_draft_for_a_few_requests_and_only_where_speculation_could_pay(monkeypatch, pays) -> None:
+    import numpy as np
+
+    import specverify.engine.llm_engine as engine_module
+    from specverify.cost_model import CostModel
+
+    monkeypatch.setattr(engine_module, "_WARMUP_LABELS", 0)
+    monkeypatch.setattr(engine_module, "_PROBE_EVERY", 3)
+    tokens = np.array([1.0, 8.0, 64.0])
+    cost = CostModel(tokens, 1.0 + tokens, tokens, 0.1 + tokens)  # speculation never chosen on merit
+    target_fn, draft_fn = toy_pair()
+    engine = LLMEngine(
+        ToyRunner(VOCAB, target_fn),
+        ToyTokenizer(VOCAB, None),
+        EngineConfig(
+            max_num_seqs=8,
+            speculative=SpeculativeConfig(num_speculative_tokens=3, enable_adaptive_verification=True),
+        ),
+        draft=ToyRunner(VOCAB, draft_fn),
+        cost_model=cost,
+    )
+    monkeypatch.setattr(engine.planner, "could_pay", lambda *args, **kwargs: pays)
+    for i in range(8):
+        engine.add_request([i % VOCAB, 2, 3], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))
+    drafting_rows = []
+    while engine.has_unfinished_requests():
+        before = list(engine.stats.drafted_per_position) or [0]
+        engine.step()
+        drafting_rows.append((list(engine.stats.drafted_per_position) or [0])[0] - before[0])
+    probes = [n for n in drafting_rows if n > 0]
+    if pays:
+        assert probes and max(probes) <= engine_module._PROBE_REQUESTS
+        assert engine.stats.verified_tokens == engine.stats.drafted_tokens  # probes verify everything
+    else:
+        assert engine.stats.drafted_tokens == 0

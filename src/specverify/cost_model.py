@@ -4,14 +4,18 @@ batch of B tokens, take on this machine.
 Start-up profile (see `profiling.py`) -> monotone piecewise-linear curve over the profiled token counts
 (linear extrapolation beyond the last one). Refined online from measured forwards:
 
-    predicted(n) = cummax_over_anchors( profile(anchor) * exp(g + r[anchor]) ) interpolated at n
+    predicted(n) = cummax_over_anchors( profile(anchor) * exp(m + g + r[anchor]) ) interpolated at n
                    [+ beta * (context_tokens - context_ref)  for the target, when the context term is on]
 
-- `g` is a global log-correction: an exponential moving average of log(measured / profile) over *all*
-  observations. A uniform slow-down seen at any budget moves every budget, including ones never chosen,
-  so there is no dead spot.
-- `r[anchor]` is a per-anchor residual: a moving average of the log-ratio's excess over `g` at that anchor
-  (an observation between two anchors feeds both with its interpolation weights).
+Each observation moves three terms:
+- `m`, the machine's drift, shared by the target, plain-step and draft curves: a slow spell seen only
+  by plain steps (speculation off) must also slow the predicted drafts and verification, or plain
+  decoding would look worse than speculation merely because it was the one measured lately.
+- `g`, the curve's own log-correction: what is persistently different about this curve (verification
+  carries sampling work a plain step does not). A shift seen at any budget moves every budget of the
+  curve, including ones never chosen, so there is no dead spot.
+- `r[anchor]`, a per-anchor residual (an observation between two anchors feeds both with its
+  interpolation weights).
 - Each observation's log-ratio is clipped to +-`clip` around the current prediction before it enters the
   averages, so one 10x outlier moves the prediction by a couple of percent at most.
 - The first `warmup` observations of each curve are ignored (lazy initialisation, allocator warm-up).
@@ -42,8 +46,16 @@ def _isotonic(y: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(int(c), s / c) for s, c in blocks])
 
 
+class _Drift:
+    """The machine-wide log speed factor `m`, shared by the curves of one cost model."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.value = 0.0
+
+
 class _Curve:
-    """One monotone time curve (target or draft) with online multiplicative correction."""
+    """One monotone time curve (target, plain step or draft) with online multiplicative correction."""
 
     def __init__(
         self,
@@ -54,6 +66,7 @@ class _Curve:
         alpha_bucket: float,
         clip: float,
         warmup: int,
+        drift: _Drift | None = None,
     ) -> None:
         x = np.asarray(tokens, dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
@@ -70,25 +83,38 @@ class _Curve:
         self.base = _isotonic(uy)
         self.log_base = np.log(self.base)
         self.resid = np.zeros_like(self.x)
+        self.seen = np.zeros_like(self.x)  # observation weight per anchor
         self.g = 0.0
         self.n_obs = 0
         self.alpha_global = alpha_global
         self.alpha_bucket = alpha_bucket
         self.clip = clip
         self.warmup = warmup
+        self.drift = drift if drift is not None else _Drift(0.0)
         self._refresh()
 
     # -- prediction ------------------------------------------------------------------------------------
 
     def _refresh(self) -> None:
         # Corrected anchors, kept monotone: more tokens never predicted cheaper.
-        self.y = np.maximum.accumulate(self.base * np.exp(self.g + self.resid))
+        # An anchor never measured takes the residual of its nearest measured neighbours (interpolated
+        # in log tokens), so one dear budget does not lift the unmeasured small budgets through the
+        # monotone envelope below.
+        seen = self.seen > 0
+        resid = self.resid
+        if seen.any() and not seen.all():
+            logx = np.log(self.x)
+            resid = np.interp(logx, logx[seen], self.resid[seen])
+        self.y = np.maximum.accumulate(self.base * np.exp(self.drift.value + self.g + resid))
+        self._drift_seen = self.drift.value
         if self.x.size > 1:
             self.slope_hi = max(0.0, (self.y[-1] - self.y[-2]) / (self.x[-1] - self.x[-2]))
         else:
             self.slope_hi = self.y[0] / self.x[0]  # one anchor: assume proportional beyond it
 
     def predict(self, n: ArrayLike) -> ArrayLike:
+        if self._drift_seen != self.drift.value:  # another curve moved the shared drift
+            self._refresh()
         scalar = np.ndim(n) == 0
         n_arr = np.asarray(n, dtype=np.float64)
         # Below the first anchor: flat (a forward has a fixed cost); above the last: linear.
@@ -128,17 +154,19 @@ class _Curve:
         lo, hi, w = self._weights(n)
         r_n = (1.0 - w) * self.resid[lo] + w * self.resid[hi]
         log_ratio = math.log(seconds) - self.base_log(n)
-        predicted = self.g + r_n
+        m, g = self.drift.value, self.g
+        predicted = m + g + r_n
         # Robustness: an outlier can only pull by `clip` (in log space) around the current prediction.
         clipped = predicted + min(max(log_ratio - predicted, -self.clip), self.clip)
-        g_old = self.g
-        self.g += self.alpha_global * (clipped - self.g)
-        # Residuals learn what is specific to this budget, relative to the (old) global level.
-        if lo == hi:
-            self.resid[lo] += self.alpha_bucket * (clipped - g_old - self.resid[lo])
-        else:
-            self.resid[lo] += self.alpha_bucket * (1.0 - w) * (clipped - g_old - self.resid[lo])
-            self.resid[hi] += self.alpha_bucket * w * (clipped - g_old - self.resid[hi])
+        self.drift.value += self.drift.alpha * (clipped - predicted)
+        # The curve's level: a moving average of the log-ratio beyond the drift. Residuals: what is
+        # specific to this budget beyond the level (so an anchor never measured still follows the level).
+        self.g += self.alpha_global * (clipped - m - g)
+        self.resid[lo] += self.alpha_bucket * (1.0 - w) * (clipped - m - g - self.resid[lo])
+        self.seen[lo] += 1.0 - w
+        if hi != lo:
+            self.resid[hi] += self.alpha_bucket * w * (clipped - m - g - self.resid[hi])
+            self.seen[hi] += w
         self._refresh()
         return True
 
@@ -149,14 +177,16 @@ class _Curve:
             "tokens": self.x.tolist(),
             "base": self.base.tolist(),
             "resid": self.resid.tolist(),
+            "seen": self.seen.tolist(),
             "g": self.g,
             "n_obs": self.n_obs,
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], **params: Any) -> _Curve:
-        curve = cls(np.asarray(d["tokens"]), np.asarray(d["base"]), **params)
+    def from_dict(cls, d: dict[str, Any], drift: _Drift | None = None, **params: Any) -> _Curve:
+        curve = cls(np.asarray(d["tokens"]), np.asarray(d["base"]), drift=drift, **params)
         curve.resid = np.asarray(d.get("resid", np.zeros(curve.x.size)), dtype=np.float64)
+        curve.seen = np.asarray(d.get("seen", (curve.resid != 0).astype(float)), dtype=np.float64)
         curve.g = float(d.get("g", 0.0))
         curve.n_obs = int(d.get("n_obs", 0))
         curve._refresh()
@@ -177,9 +207,10 @@ class CostModel:
         draft_tokens: np.ndarray | list[float] | None = None,
         draft_seconds: np.ndarray | list[float] | None = None,
         *,
-        alpha_global: float = 0.05,
-        alpha_bucket: float = 0.05,
-        clip: float = 0.2,
+        alpha_global: float = 0.02,
+        alpha_bucket: float = 0.02,
+        alpha_drift: float = 0.1,
+        clip: float = 0.15,
         warmup: int = 3,
         fit_context: bool = True,
         context_alpha: float = 0.02,
@@ -187,15 +218,18 @@ class CostModel:
         context_min_obs: int = 30,
     ) -> None:
         self._params = dict(alpha_global=alpha_global, alpha_bucket=alpha_bucket, clip=clip, warmup=warmup)
-        self.target = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **self._params)
+        self.alpha_drift = alpha_drift
+        self.drift = _Drift(alpha_drift)
+        curve = dict(self._params, drift=self.drift)
+        self.target = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **curve)
         # A plain step (no drafts) learns apart from the verify phase: verification carries overhead of
         # its own (probabilities and rejection sampling over every verified row), and a factor shared
         # with it made plain decoding look slower than it is, keeping speculation on where it lost.
-        self.plain = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **self._params)
+        self.plain = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **curve)
         self.draft = (
             None
             if draft_tokens is None
-            else _Curve(np.asarray(draft_tokens), np.asarray(draft_seconds), **self._params)
+            else _Curve(np.asarray(draft_tokens), np.asarray(draft_seconds), **curve)
         )
         # Context term state (target only).
         self.fit_context = fit_context
@@ -288,8 +322,9 @@ class CostModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "version": 1,
-            "params": dict(self._params),
+            "version": 2,
+            "params": dict(self._params, alpha_drift=self.alpha_drift),
+            "drift": self.drift.value,
             "target": self.target.to_dict(),
             "plain": self.plain.to_dict(),
             "draft": None if self.draft is None else self.draft.to_dict(),
@@ -322,10 +357,11 @@ class CostModel:
             context_min_r2=ctx.get("min_r2", 0.1),
             context_min_obs=ctx.get("min_obs", 30),
         )
-        model.target = _Curve.from_dict(d["target"], **model._params)
-        model.plain = _Curve.from_dict(d.get("plain", d["target"]), **model._params)
+        model.drift.value = float(d.get("drift", 0.0))
+        model.target = _Curve.from_dict(d["target"], model.drift, **model._params)
+        model.plain = _Curve.from_dict(d.get("plain", d["target"]), model.drift, **model._params)
         if d.get("draft") is not None:
-            model.draft = _Curve.from_dict(d["draft"], **model._params)
+            model.draft = _Curve.from_dict(d["draft"], model.drift, **model._params)
         model.context_ref = float(ctx.get("ref", 0.0))
         model.context_coef = float(ctx.get("coef", 0.0))
         model._ctx_n = int(ctx.get("n", 0))

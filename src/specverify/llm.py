@@ -39,17 +39,20 @@ def load_models(
     dtype: str = "bfloat16",
     device: str = "cpu",
     max_model_len: int | None = None,
+    progress: bool = True,
 ) -> LoadedModels:
     """Load target (and draft, when speculating) runners plus the target's tokenizer; None = default pair."""
     from specverify.models.loader import load_runner, model_name
 
     target_path = resolve_model_path(model, "target")
-    target, tokenizer = load_runner(str(target_path), dtype=dtype, device=device, max_model_len=max_model_len)
+    target, tokenizer = load_runner(
+        str(target_path), dtype=dtype, device=device, max_model_len=max_model_len, progress=progress
+    )
     draft = draft_name = None
     if speculative:
         draft_path = resolve_model_path(draft_model, "draft")
         draft, draft_tokenizer = load_runner(
-            str(draft_path), dtype=dtype, device=device, max_model_len=max_model_len
+            str(draft_path), dtype=dtype, device=device, max_model_len=max_model_len, progress=progress
         )
         check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
         draft_name = model_name(str(draft_path))

@@ -3,7 +3,11 @@
 Notation for one step with R running requests: p[r, k] = P(accept slot k | slots < k accepted) from the
 estimator; survival s[r, k] = prod_{i<=k} p[r, i] = P(slot k is accepted). Verifying a set S of slots
 yields R + sum_{(r,k) in S} s[r,k] expected tokens (every request gets one target token) and costs
-D * draft_time(R) + target_time(R + |S|). The planner maximises expected tokens per second.
+D * draft_time(R) + target_time(R + |S|). In the steady state the planner maximises expected tokens per
+second; that best rate lambda (the value of a second) then prices what a single step must pay on top: the
+draft's catch-up (tokens it has not consumed yet: a new prompt, or what it missed while speculation was
+off; amortised over `catchup_horizon` steps) and prefill (shared by every option). A step's choice
+maximises tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
 
 LOSSLESSNESS (DESIGN §5). Whether slot k of request r is verified may depend on the prefix and on draft
 distributions up to k (hence on s[r, <=k]) and on other requests, but never on the token drafted at k,
@@ -64,7 +68,8 @@ class AdaptivePlanner:
 
     Last decisions, for metrics: `depth`, `threshold`, `budget` (slots admitted by the last `admit`),
     `planned_budget` (expected admitted slots when the depth was chosen), `expected_tokens` and
-    `expected_rate` (tokens per second of the chosen plan).
+    `expected_rate` (tokens per second of the chosen plan), `value_of_time` (tokens per second of the
+    best steady plan: what a second of drafting or verifying must buy).
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class AdaptivePlanner:
         history_steps: int = 8,
         min_gain: float = 0.02,
         initial_threshold: float = 0.0,
+        catchup_horizon: float = 4.0,
     ) -> None:
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
@@ -85,6 +91,12 @@ class AdaptivePlanner:
         # Speculation must beat plain decoding by this relative margin: cost profiles are noisy and
         # switching speculation back on costs a draft catch-up forward the model does not see.
         self.min_gain = float(min_gain)
+        # Steps over which a draft catch-up (prompt, or tokens missed while speculation was off) is
+        # amortised when pricing the step that pays it: switching on must pay back within a few steps.
+        if catchup_horizon < 1.0:
+            raise ValueError("catchup_horizon must be >= 1 step")
+        self.catchup_horizon = float(catchup_horizon)
+        self.value_of_time = 0.0  # tokens/second of the best steady plan (lambda); prices drafting time
         self.expected_p = np.zeros(self.k)
         self.threshold = float(initial_threshold)  # 0: verify everything drafted until we know better
         self.depth = 0
@@ -129,14 +141,28 @@ class AdaptivePlanner:
         return s
 
     def _plan(
-        self, r_count: int, depths: np.ndarray, pooled: np.ndarray, context_tokens: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For each candidate depth D, the best expected rate over global budgets on the pooled survivals.
+        self,
+        r_count: int,
+        depths: np.ndarray,
+        pooled: np.ndarray,
+        context_tokens: int,
+        *,
+        target_feed: int | None = None,
+        draft_feed: int | None = None,
+        value_of_time: float | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For each candidate depth D, the best global budget on the pooled survivals.
 
         Pooled rows stand for R requests: budget j of the pooled slots means j * R / M target tokens.
-        Returns (rate[D], tokens[D], budget[D] in target tokens, threshold[D])."""
+        `target_feed` / `draft_feed`: tokens each model must consume before this step's new ones (a
+        prompt being prefilled, the tokens the draft missed while speculation was off); default R.
+        Budgets are ranked by expected tokens per second, or, given `value_of_time` (tokens per second
+        the engine can make anyway), by tokens - value_of_time * seconds.
+        Returns (score[D], tokens[D], budget[D] in target tokens, threshold[D], seconds[D])."""
         m = pooled.shape[0]
         scale = r_count / m
+        target_feed = r_count if target_feed is None else max(int(target_feed), r_count)
+        draft_feed = r_count if draft_feed is None else max(int(draft_feed), r_count)
         flat = pooled.ravel()
         cols = np.tile(np.arange(self.k), m)
         order = np.argsort(-flat, kind="stable")
@@ -147,12 +173,20 @@ class AdaptivePlanner:
         count = np.concatenate([np.zeros((depths.size, 1)), np.cumsum(mask, axis=1)], axis=1)
         budget_tokens = count * scale
         tokens = r_count + gain * scale
-        draft_cost = depths * self.cost.draft_time(r_count)
+        # The first draft forward also consumes what the draft has not seen yet (its catch-up): an
+        # investment that later steps reuse, so only 1 / catchup_horizon of its extra time is charged.
+        catchup = (self.cost.draft_time(draft_feed) - self.cost.draft_time(r_count)) / self.catchup_horizon
+        draft_cost = np.where(depths > 0, depths * self.cost.draft_time(r_count) + catchup, 0.0)
+        # Depth 0 is a plain step, with its own measured cost (no verification overhead). Tokens being
+        # prefilled cost every option the same, so one curve prices them for all: two curves, each
+        # extrapolated far from where it was measured, would differ by more than the drafts cost.
+        prefill = self.cost.plain_time(target_feed) - self.cost.plain_time(r_count)
         seconds = draft_cost[:, None] + self.cost.target_time(r_count + budget_tokens, context_tokens)
-        # Depth 0 is a plain step, with its own measured cost (no verification overhead).
         seconds[depths == 0] = self.cost.plain_time(r_count)
-        rate = tokens / np.maximum(seconds, 1e-12)
-        best = np.argmax(rate, axis=1)
+        seconds = seconds + prefill
+        seconds = np.maximum(seconds, 1e-12)
+        score = tokens / seconds if value_of_time is None else tokens - value_of_time * seconds
+        best = np.argmax(score, axis=1)
         rows = np.arange(depths.size)
         # Threshold halfway between the last admitted and the first rejected survival (of that depth).
         nb = count[rows, best]
@@ -162,14 +196,33 @@ class AdaptivePlanner:
         first_out = np.where(np.isfinite(first_out), first_out, 0.0)
         last_in = np.where(np.isfinite(last_in), last_in, 1.0 + 1e-9)  # none admitted: above any survival
         thresholds = 0.5 * (last_in + first_out)
-        return rate[rows, best], tokens[rows, best], budget_tokens[rows, best], thresholds
+        return (
+            score[rows, best],
+            tokens[rows, best],
+            budget_tokens[rows, best],
+            thresholds,
+            seconds[rows, best],
+        )
 
     # ---- decisions ----------------------------------------------------------------------------------
 
     def choose_draft_depth(
-        self, num_requests: int, expected_p: np.ndarray | None = None, context_tokens: int = 0
+        self,
+        num_requests: int,
+        expected_p: np.ndarray | None = None,
+        context_tokens: int = 0,
+        *,
+        target_feed_tokens: int | None = None,
+        draft_feed_tokens: int | None = None,
     ) -> int:
-        """Draft depth D in 0..K for this step (0: plain decoding), maximising expected tokens/second.
+        """Draft depth D in 0..K for this step (0: plain decoding).
+
+        First the steady state (every request feeding one token to each model): the best expected
+        tokens/second over depths and budgets is the value of time lambda. Then this step, with what
+        each model must consume first (`target_feed_tokens`: prompts being prefilled; `draft_feed_tokens`:
+        the draft's catch-up), maximises tokens - lambda * seconds. In the steady state both give the
+        same choice; with a large shared prefill, maximising this step's rate would add drafts whose
+        extra tokens come at a worse rate than plain decoding gives later.
 
         Uses previous steps' survivals (extrapolated with `expected_p`, the recent mean acceptance per
         position) so heterogeneous requests are admitted top-first. Also fixes this step's admission
@@ -182,31 +235,52 @@ class AdaptivePlanner:
             self.depth, self.planned_budget, self.expected_tokens, self.expected_rate = 0, 0.0, 0.0, 0.0
             return 0
         depths = np.arange(self.k + 1)
-        rate, tokens, budget, thresholds = self._plan(
-            r_count, depths, self._pooled(self.expected_p), context_tokens
+        pooled = self._pooled(self.expected_p)
+        steady, *_ = self._plan(r_count, depths, pooled, context_tokens)
+        self.value_of_time = float(steady.max())
+        score, tokens, budget, thresholds, seconds = self._plan(
+            r_count,
+            depths,
+            pooled,
+            context_tokens,
+            target_feed=target_feed_tokens,
+            draft_feed=draft_feed_tokens,
+            value_of_time=self.value_of_time,
         )
-        best = int(np.argmax(rate[1:])) + 1
-        if rate[best] < rate[0] * (1.0 + self.min_gain):
+        best = int(np.argmax(score[1:])) + 1
+        # Speculation must win by min_gain: in the steady state this is rate >= plain * (1 + min_gain).
+        if score[best] - score[0] < self.min_gain * r_count:
             best = 0
         # Ties between depths go to the shallower one (argmax takes the first): it drafts less.
         self.depth = best
-        self.expected_rate = float(rate[best])
         self.expected_tokens = float(tokens[best])
+        self.expected_rate = float(tokens[best] / seconds[best])
         self.planned_budget = float(budget[best])
         if best > 0:
             self.threshold = float(thresholds[best])
         return best
+
+    def could_pay(self, num_requests: int, context_tokens: int = 0) -> bool:
+        """Whether speculation could beat plain decoding at this load if the drafts were better than
+        estimated (each position's rejection rate halved). False: probing would only cost."""
+        r_count = int(num_requests)
+        if r_count <= 0:
+            return False
+        optimistic = 1.0 - 0.5 * (1.0 - self.expected_p)
+        rate, *_ = self._plan(r_count, np.arange(self.k + 1), np.cumprod(optimistic)[None, :], context_tokens)
+        return bool(rate[1:].max() >= rate[0] * (1.0 + self.min_gain))
 
     def update_threshold(self, num_requests: int, depth: int, context_tokens: int = 0) -> float:
         """Recompute the admission threshold for a step with a fixed depth (an engine that drafts K
         without asking `choose_draft_depth`). Uses previous steps only: call it before drafting."""
         if num_requests > 0 and depth > 0:
             depth = min(int(depth), self.k)
-            rate, tokens, budget, thresholds = self._plan(
+            rate, tokens, budget, thresholds, _ = self._plan(
                 int(num_requests), np.array([depth]), self._pooled(self.expected_p), context_tokens
             )
             self.threshold = float(thresholds[0])
             self.expected_rate, self.expected_tokens = float(rate[0]), float(tokens[0])
+            self.value_of_time = self.expected_rate
             self.planned_budget = float(budget[0])
             self.depth = depth
         return self.threshold
@@ -243,7 +317,7 @@ class AdaptivePlanner:
         cost = (
             self.cost.draft_time(m) + self.cost.target_time(base + m, ctx) - self.cost.target_time(base, ctx)
         )
-        rate = self.expected_rate
+        rate = self.value_of_time
         if rate <= 0.0:  # no plan yet: compare with plain decoding
             rate = r_all / max(float(self.cost.plain_time(r_all)), 1e-12)
         best = int(np.argmax(g_cum - rate * cost))
@@ -294,7 +368,7 @@ class AdaptivePlanner:
         # Same load next step: a threshold ready even if choose_draft_depth is not called. It is only
         # used from the next step on, so computing it from THIS step's survivals is lossless.
         depth = max(self.depth, d)
-        _, _, _, thresholds = self._plan(
+        _, _, _, thresholds, _ = self._plan(
             s.shape[0], np.array([depth]), self._pooled(self.expected_p), context_tokens
         )
         self.threshold = float(thresholds[0])
@@ -308,4 +382,5 @@ class AdaptivePlanner:
             "planned_budget": self.planned_budget,
             "expected_tokens": self.expected_tokens,
             "expected_rate": self.expected_rate,
+            "value_of_time": self.value_of_time,
         }

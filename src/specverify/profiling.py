@@ -3,7 +3,9 @@
 Target: median time of one forward over N flattened tokens, spread over up to `max_seqs` dummy
 sequences (as a verification step spreads its tokens over requests), logits for every token (as
 verification needs). Draft: median time of one forward over a batch of B sequences, one token each,
-one logit each (a drafting step). Every dummy sequence is prefilled with `context` tokens once (untimed)
+one logit each (a drafting step), and over larger token counts spread like the target's (a catch-up
+forward: the draft consuming a prompt, or the tokens it missed while speculation was off). Both curves
+are indexed by tokens fed. Every dummy sequence is prefilled with `context` tokens once (untimed)
 and rolled back to that length after each timed forward, so all measurements see the same context.
 Repeats are interleaved across sizes so a slow spell of the machine does not bias a single size.
 
@@ -29,7 +31,7 @@ from specverify.models.base import ModelRunner
 
 # Dummy sequence ids live far below any id the engine hands out (those are >= 0).
 RESERVED_SEQ_ID_BASE = -(1 << 40)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def _sync(runner: ModelRunner) -> None:
@@ -97,6 +99,7 @@ def profile_runners(
     draft: ModelRunner | None,
     token_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128),
     batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    catchup_tokens: Sequence[int] = (64, 128, 256),
     repeats: int = 3,
     context: int = 64,
     *,
@@ -104,7 +107,8 @@ def profile_runners(
     progress: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Median forward times of the target (by flattened token count) and the draft (by batch size).
+    """Median forward times of the target (by flattened token count) and the draft (by batch size, one
+    token per sequence, then by `catchup_tokens` spread over up to `max_seqs` sequences).
 
     Returns {"version", "context", "repeats", "max_seqs", "target": {"tokens", "seconds"},
     "draft": {"tokens", "seconds"} | None}, ready for `CostModel.from_profile`."""
@@ -127,8 +131,14 @@ def profile_runners(
 
     target_layout = {n: _split(n, min(n_target_seqs, n)) for n in token_counts}
     target_ids = [RESERVED_SEQ_ID_BASE - i for i in range(n_target_seqs)]
-    draft_ids = [RESERVED_SEQ_ID_BASE - n_target_seqs - i for i in range(max(batch_sizes, default=0))]
-    total = (len(token_counts) + (len(batch_sizes) if draft is not None else 0)) * repeats
+    draft_layout = {b: [1] * b for b in batch_sizes}
+    for n in sorted({int(n) for n in catchup_tokens}):
+        if n > max(batch_sizes, default=0) and math.ceil(n / n_target_seqs) <= limit - context - 1:
+            draft_layout[n] = _split(n, n_target_seqs)
+    draft_sizes = sorted(draft_layout)
+    n_draft_seqs = max((len(v) for v in draft_layout.values()), default=0)
+    draft_ids = [RESERVED_SEQ_ID_BASE - n_target_seqs - i for i in range(n_draft_seqs)]
+    total = (len(token_counts) + (len(draft_sizes) if draft is not None else 0)) * repeats
 
     bar = None
     if progress:
@@ -141,13 +151,12 @@ def profile_runners(
             target, token_counts, target_layout, target_ids, context, True, repeats, rng, bar
         )
         draft_part = None
-        if draft is not None and batch_sizes:
+        if draft is not None and draft_sizes:
             _prefill(draft, draft_ids, context, rng)
-            draft_layout = {b: [1] * b for b in batch_sizes}
             draft_seconds = _time_sizes(
-                draft, batch_sizes, draft_layout, draft_ids, context, False, repeats, rng, bar
+                draft, draft_sizes, draft_layout, draft_ids, context, False, repeats, rng, bar
             )
-            draft_part = {"tokens": batch_sizes, "seconds": draft_seconds}
+            draft_part = {"tokens": draft_sizes, "seconds": draft_seconds}
     finally:
         for sid in target_ids:
             target.release(sid)

@@ -11,9 +11,10 @@ from specverify.bench.datasets import DATASETS
 
 # Sized for a 2-core CPU and the default pair: with a target step of ~0.35 s (1 token) to ~1.9 s (192),
 # a draft step of ~0.2 s and prefill at ~100 prompt tokens/s, loading + cost profiling + warm-up + the
-# sweep come to ~12-13 min for the default (budget: 20) and ~3.5 min for --quick (budget: 5).
-DEFAULT = {"concurrencies": "1,4,16,32", "max_tokens": 64, "num_prompts": None}
-QUICK = {"concurrencies": "1,4", "max_tokens": 32, "num_prompts": None}
+# sweep come to ~14-15 min for the default (budget: 20; min_prompts 4 adds ~2 min at c=1) and ~4 min
+# for --quick (budget: 5; min_prompts 2 adds ~20 s). Each extra temperature repeats the sweep.
+DEFAULT = {"concurrencies": "1,4,16,32", "max_tokens": 64, "num_prompts": None, "min_prompts": 4}
+QUICK = {"concurrencies": "1,4", "max_tokens": 32, "num_prompts": None, "min_prompts": 2}
 DEFAULT_K = 5
 
 
@@ -24,6 +25,33 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _temperatures(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one temperature, got {text!r}")
+    bad = [v for v in values if not (0.0 <= v <= 100.0)]  # also catches NaN
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"temperatures must be >= 0 (0: greedy) and at most 100, got {text!r}"
+        )
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"temperatures repeat: {text!r}")
     return values
 
 
@@ -71,8 +99,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--num-prompts",
         type=int,
         default=None,
-        help="prompts per (mode, concurrency) point, never fewer than the concurrency "
-        "(default: the concurrency, one prompt per slot)",
+        help="prompts per (temperature, concurrency) point, run by every mode, never fewer than "
+        "concurrency x --rounds (default: max(concurrency x --rounds, --min-prompts))",
+    )
+    p.add_argument(
+        "--min-prompts",
+        type=_positive_int,
+        default=None,
+        help="without --num-prompts, each point gets max(concurrency, N) prompts, so a low-concurrency "
+        f"point is not decided by one prompt (default {DEFAULT['min_prompts']}; "
+        f"--quick {QUICK['min_prompts']})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="at least N rounds per point: the modes take turns round by round, each round "
+        "`concurrency` prompts, so more rounds mean more side-by-side repetitions at a high "
+        "concurrency; each point gets at least concurrency x N prompts (default 1)",
     )
     p.add_argument(
         "--max-tokens",
@@ -93,8 +137,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=["none", "fixed", "adaptive"],
         help="comma-separated subset of none,fixed,adaptive (default: all three)",
     )
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")
+    p.add_argument(
+        "--temperature",
+        type=_temperatures,
+        default=[1.0],
+        help="sampling temperature, or a comma-separated list swept in turn with the same loaded "
+        "models, e.g. 1,0 (0: greedy; default 1.0)",
+    )
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p, for temperature > 0 (default 0.95)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up per mode")
@@ -162,8 +212,11 @@ def run(args: argparse.Namespace) -> int:
         modes=args.modes,
         concurrencies=args.concurrency or _int_list(preset["concurrencies"]),
         num_prompts=args.num_prompts if args.num_prompts is not None else preset["num_prompts"],
+        min_prompts=args.min_prompts if args.min_prompts is not None else preset["min_prompts"],
+        rounds=args.rounds,
         max_tokens=args.max_tokens or preset["max_tokens"],
-        temperature=args.temperature,
+        # One value stays a float in results.json; several become the list (BenchConfig decides).
+        temperature=list(args.temperature),
         top_p=args.top_p,
         num_speculative_tokens=spec.num_speculative_tokens if spec else DEFAULT_K,
         seed=args.seed,
@@ -186,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         args.dtype,
         args.device,
         args.max_model_len,
+        progress=progress,
     )
     prompt_ids = encode_prompts(models.tokenizer, prompts)
     chat = has_chat_template(models.tokenizer)

@@ -6,28 +6,47 @@ results.json schema (stable: fields may be added, never renamed or removed)
   "schema_version": 1,
   "config": {                         # what was run
     "modes": ["none", "fixed", "adaptive"], "concurrencies": [int, ...],
-    "num_prompts": int | null,        # prompts per point (null: the concurrency; never fewer than it)
-    "max_tokens": int, "temperature": float, "top_p": float, "num_speculative_tokens": int,
+    "num_prompts": int | null,        # prompts per point, never fewer than concurrency * rounds
+                                      # (null: max(concurrency * rounds, min_prompts))
+    "min_prompts": int,               # the floor used when num_prompts is null (added)
+    "rounds": int,                    # (added) at least this many rounds per point (--rounds; 1)
+    "max_tokens": int,
+    "temperature": float | [float, ...],  # a float when one temperature ran; the list, in sweep order,
+                                      # when several did (0: greedy)
+    "top_p": float,                   # applies to temperature > 0 only
+    "num_speculative_tokens": int,
     "seed": int, "ignore_eos": bool, "warmup_tokens": int, "warmup_prompts": int,
     "dataset": "humaneval" | "mtbench" | "gsm8k" | "mixed",
     "speculative_config": {"method", "model", "num_speculative_tokens", "estimator"},
     "target": str, "draft": str | null, "dtype": str, "device": str, "threads": int,
     "chat_template": bool, "prompt_tokens_mean": float, "setup_s": float, "total_s": float,
-    "partial": bool,                  # true while the sweep is still running (rewritten after each point)
+    "partial": bool,                  # true while the sweep is still running (rewritten after each
+                                      # (temperature, concurrency) point, all its modes done)
     "cost_model": {...}               # the adaptive mode's cost model at the end (CostModel.to_dict())
   },
-  "runs": [                           # one per (mode, concurrency) point, in the order they ran:
-    {                                 # for each concurrency, every mode in turn
+  "runs": [                           # one per mode at each (temperature, concurrency) point: for each
+                                      # temperature, for each concurrency, every mode in config order.
+                                      # Within a point the modes ran side by side, round-robin: the
+                                      # prompts split into rounds of `concurrency` (the last may be
+                                      # smaller), round 1 of every mode, then round 2, ..., the mode
+                                      # order rotating by one each round across the whole sweep. A run's
+                                      # counts and seconds are sums over its rounds.
+    {
       "mode": "none" | "fixed" | "adaptive",
       "concurrency": int,             # max_num_seqs: requests in flight
+      "temperature": float,           # (added) this point's sampling temperature (0: greedy)
       "dataset": str,
       "output_tokens": int,           # generated tokens (the first `num_prompts` prompts)
       "wall_s": float,                # from queuing the prompts to the last token, prefill included
+                                      # (summed over rounds; engine set-up between rounds excluded)
       "tokens_per_s": float,          # output_tokens / wall_s
       "drafted_tokens": int, "verified_tokens": int, "accepted_tokens": int,
       "steps": int,                   # engine steps (one target forward each)
       # added fields:
-      "num_prompts": int,
+      "num_prompts": int,             # the point's prompts (the same ones, same seeds, in every mode)
+      "rounds": int,                  # (added) rounds the run's figures sum: ceil(num_prompts /
+                                      # concurrency); absent in older files (each mode ran
+                                      # all its prompts in one go, modes one after another)
       "request_steps": int,           # sum over steps of requests advanced
       "mean_tokens_per_step": float,  # output_tokens / request_steps: tokens per request per step
       "verified_over_drafted": float | null,
@@ -42,14 +61,18 @@ results.json schema (stable: fields may be added, never renamed or removed)
                                                   # tokens came out of them) and their seconds
       "decode_tokens": int, "decode_s": float,    # tokens and seconds of all other steps
       "decode_tokens_per_s": float | null,        # decode_tokens / decode_s: throughput without prefill
-      "decode_speedup_vs_none": float | null,     # decode_tokens_per_s / that of mode none, same conc.
-      "speedup_vs_none": float | null,            # tokens_per_s / that of mode none, same concurrency
-      "speedup_vs_fixed": float | null            # tokens_per_s / that of mode fixed, same concurrency
+      "decode_speedup_vs_none": float | null,     # decode_tokens_per_s / that of mode none, same
+                                                  # temperature and concurrency
+      "speedup_vs_none": float | null,            # tokens_per_s / that of mode none, same temperature
+                                                  # and concurrency
+      "speedup_vs_fixed": float | null            # tokens_per_s / that of mode fixed, same temperature
+                                                  # and concurrency
     }
   ],
   "calibration": {                    # the adaptive mode's estimator (fixed mode's if adaptive did not run),
     "ece": float, "auc": float,       # prequential: each prediction scored before its label was learnt,
-    "raw_qmax_ece": float,            # over every timed run of that mode; raw_qmax_* score q_max itself
+    "raw_qmax_ece": float,            # over every timed run of that mode (all temperatures together);
+                                      # raw_qmax_* score q_max itself
     "raw_qmax_auc": float,            # as the probability of acceptance
     "labels": int,                    # labelled drafts behind the figures
     "mode": "adaptive" | "fixed"
@@ -79,6 +102,7 @@ THROUGHPUT_PLOT = "throughput.png"
 ACCEPTANCE_PLOT = "acceptance_per_position.png"
 RELIABILITY_PLOT = "reliability.png"
 MODE_COLORS = {"none": "C0", "fixed": "C1", "adaptive": "C2"}  # the same colour per mode in every panel
+LINE_STYLES = ("-", "--", ":", "-.")  # one per temperature, in sweep order
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -96,14 +120,20 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _point(run: dict[str, Any]) -> tuple[Any, int]:
+    """(temperature, concurrency): the runs compared with each other (older runs have no temperature)."""
+    return run.get("temperature"), run["concurrency"]
+
+
 def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each run's dict plus the derived fields (ratios to none / fixed at the same concurrency, rates)."""
-    baseline = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in runs}
-    decode = {(r["mode"], r["concurrency"]): r.get("decode_tokens_per_s") for r in runs}
+    """Each run's dict plus the derived fields (ratios to none / fixed at the same temperature and
+    concurrency, rates)."""
+    baseline = {(r["mode"], *_point(r)): r["tokens_per_s"] for r in runs}
+    decode = {(r["mode"], *_point(r)): r.get("decode_tokens_per_s") for r in runs}
     rows = []
     for r in runs:
         row = dict(r)
-        c = r["concurrency"]
+        point = _point(r)
         row["mean_tokens_per_step"] = _ratio(r["output_tokens"], r.get("request_steps", 0))
         row["verified_over_drafted"] = _ratio(r["verified_tokens"], r["drafted_tokens"])
         row["acceptance_rate"] = _ratio(r["accepted_tokens"], r["verified_tokens"])
@@ -114,10 +144,10 @@ def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         ]
         row["planning_overhead"] = _ratio(r.get("planning_s", 0.0), r.get("step_s", 0.0))
-        none, fixed = baseline.get(("none", c)), baseline.get(("fixed", c))
+        none, fixed = baseline.get(("none", *point)), baseline.get(("fixed", *point))
         row["speedup_vs_none"] = _ratio(r["tokens_per_s"], none) if none is not None else None
         row["speedup_vs_fixed"] = _ratio(r["tokens_per_s"], fixed) if fixed is not None else None
-        decode_none = decode.get(("none", c))
+        decode_none = decode.get(("none", *point))
         row["decode_speedup_vs_none"] = (
             _ratio(r["decode_tokens_per_s"], decode_none)
             if decode_none and r.get("decode_tokens_per_s") is not None
@@ -164,9 +194,16 @@ def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _temperatures_text(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(format(t, "g") for t in value)
+    return "?" if value is None else format(value, "g")
+
+
 def format_table(results: dict) -> str:
     """A fixed-width table of every point, then the estimator's calibration."""
     header = [
+        "T",
         "conc",
         "mode",
         "tok/s",
@@ -185,6 +222,7 @@ def format_table(results: dict) -> str:
         per_pos = " ".join(_fmt(a, ".2f") for a in r["acceptance_per_position"]) or "-"
         lines.append(
             [
+                _fmt(r.get("temperature"), "g"),
                 str(r["concurrency"]),
                 r["mode"],
                 _fmt(r["tokens_per_s"], ".2f"),
@@ -205,21 +243,22 @@ def format_table(results: dict) -> str:
         # Numbers right-aligned, words and the last (free-form) column left-aligned.
         out = []
         for i, (cell, w) in enumerate(zip(cells, widths, strict=True)):
-            out.append(cell.ljust(w) if i in (1, len(cells) - 1) else cell.rjust(w))
+            out.append(cell.ljust(w) if i in (2, len(cells) - 1) else cell.rjust(w))
         return "  ".join(out).rstrip()
 
     text = [render(header), render(["-" * w for w in widths])] + [render(row) for row in lines]
     text.append(
-        "tok/s: output tokens over wall time, prefill included; decode tok/s: steps without prefill only. "
-        "x none / x fixed: ratio to that mode at the same concurrency. tok/step: tokens per request per step. "
-        "plan %: planner time over step time."
+        "T: temperature (0: greedy). tok/s: output tokens over wall time, prefill included; decode tok/s: "
+        "steps without prefill only. x none / x fixed: ratio to that mode at the same temperature and "
+        "concurrency. tok/step: tokens per request per step. plan %: planner time over step time."
     )
     cfg = results.get("config", {})
     text.insert(
         0,
         (
             f"specverify bench: {cfg.get('target', '?')} / draft {cfg.get('draft', '-')}, dataset {cfg.get('dataset')}, "
-            f"max_tokens {cfg.get('max_tokens')}, T={cfg.get('temperature')}, top_p={cfg.get('top_p')}, "
+            f"max_tokens {cfg.get('max_tokens')}, T={_temperatures_text(cfg.get('temperature'))}, "
+            f"top_p={cfg.get('top_p')} (T > 0 only), "
             f"K={cfg.get('num_speculative_tokens')}"
         ),
     )
@@ -244,22 +283,34 @@ def _pyplot():
     return plt
 
 
+def _temperatures(runs: list[dict[str, Any]]) -> list[Any]:
+    """The temperatures of the runs in the order they ran (None for runs recorded without one)."""
+    return list(dict.fromkeys(r.get("temperature") for r in runs))
+
+
 def plot_throughput(results: dict, path: str | os.PathLike) -> Path:
+    """Throughput and speed-up over concurrency: one line per (mode, temperature); colour is the mode,
+    line style the temperature."""
     plt = _pyplot()
     runs = results["runs"]
+    temps = _temperatures(runs)
     fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode in MODES:
-        points = sorted(
-            (r["concurrency"], r["tokens_per_s"], r["speedup_vs_none"]) for r in runs if r["mode"] == mode
-        )
-        if not points:
-            continue
-        cs = [p[0] for p in points]
-        color = MODE_COLORS[mode]
-        ax.plot(cs, [p[1] for p in points], marker="o", label=mode, color=color)
-        if mode != "none" and any(p[2] is not None for p in points):
-            ys = [math.nan if p[2] is None else p[2] for p in points]
-            ax_ratio.plot(cs, ys, marker="o", label=mode, color=color)
+        for i, t in enumerate(temps):
+            points = sorted(
+                (r["concurrency"], r["tokens_per_s"], r["speedup_vs_none"])
+                for r in runs
+                if r["mode"] == mode and r.get("temperature") == t
+            )
+            if not points:
+                continue
+            cs = [p[0] for p in points]
+            style = {"color": MODE_COLORS[mode], "ls": LINE_STYLES[i % len(LINE_STYLES)], "marker": "o"}
+            label = mode if len(temps) == 1 else f"{mode} T={_temperatures_text(t)}"
+            ax.plot(cs, [p[1] for p in points], label=label, **style)
+            if mode != "none" and any(p[2] is not None for p in points):
+                ys = [math.nan if p[2] is None else p[2] for p in points]
+                ax_ratio.plot(cs, ys, label=label, **style)
     concurrencies = sorted({r["concurrency"] for r in runs})
     for a in (ax, ax_ratio):
         a.set_xscale("log", base=2)
@@ -269,11 +320,12 @@ def plot_throughput(results: dict, path: str | os.PathLike) -> Path:
         a.grid(True, alpha=0.3)
         if a.get_legend_handles_labels()[0]:
             a.legend()
+    suffix = f" (T={_temperatures_text(temps[0])})" if len(temps) == 1 and temps[0] is not None else ""
     ax.set_ylabel("output tokens / s")
-    ax.set_title("throughput")
+    ax.set_title("throughput" + suffix)
     ax_ratio.axhline(1.0, color="grey", lw=1, ls="--")
-    ax_ratio.set_ylabel("ratio to no speculation")
-    ax_ratio.set_title("speed-up over no speculation")
+    ax_ratio.set_ylabel("ratio to no speculation (same T)")
+    ax_ratio.set_title("speed-up over no speculation" + suffix)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -281,8 +333,9 @@ def plot_throughput(results: dict, path: str | os.PathLike) -> Path:
 
 
 def plot_acceptance(results: dict, path: str | os.PathLike) -> Path:
-    """Per speculative mode: acceptance per draft position, one line per concurrency."""
+    """Per speculative mode: acceptance per draft position, one line per (concurrency, temperature)."""
     plt = _pyplot()
+    temps = _temperatures(results["runs"])
     modes = [m for m in MODES if m != "none" and any(r["mode"] == m for r in results["runs"])]
     fig, axes = plt.subplots(1, max(1, len(modes)), figsize=(5.5 * max(1, len(modes)), 4), squeeze=False)
     if not modes:
@@ -293,12 +346,17 @@ def plot_acceptance(results: dict, path: str | os.PathLike) -> Path:
             if r["mode"] != mode or not r["acceptance_per_position"]:
                 continue
             ys = [math.nan if a is None else a for a in r["acceptance_per_position"]]
-            ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"c={r['concurrency']}")
+            i = temps.index(r.get("temperature"))
+            label = f"c={r['concurrency']}"
+            if len(temps) > 1:
+                label += f" T={_temperatures_text(r.get('temperature'))}"
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", ls=LINE_STYLES[i % len(LINE_STYLES)], label=label)
         depth = max(
             (len(r["acceptance_per_position"]) for r in results["runs"] if r["mode"] == mode), default=0
         )
         ax.set_xticks(range(1, depth + 1))
-        ax.set_title(f"{mode}: accepted / verified per draft position")
+        one_t = f", T={_temperatures_text(temps[0])}" if len(temps) == 1 and temps[0] is not None else ""
+        ax.set_title(f"{mode}{one_t}: accepted / verified per draft position")
         ax.set_xlabel("draft position")
         ax.set_ylabel("acceptance")
         ax.set_ylim(0, 1)

@@ -1,12 +1,17 @@
 """Run no speculation / fixed-K / adaptive verification side by side over a concurrency sweep.
 
-All modes share ONE set of loaded models. The sweep is interleaved (for each concurrency, every mode in
-turn) so a slow spell of the machine hits every mode alike. Each (mode, concurrency) point is a fresh
-engine with `max_num_seqs = concurrency` that gets the same prompts and the same per-prompt seeds; all
-prompts are queued at once and continuous batching keeps `concurrency` requests in flight. The adaptive
-mode's estimator (and every mode's calibration record) is carried from point to point, as in one
-long-running server; one cost model serves every adaptive engine and keeps refining itself.
-A short untimed warm-up generation per mode runs before the sweep.
+All modes share ONE set of loaded models. The sweep goes for each temperature, for each concurrency
+(a point), and within a point the modes run side by side, round-robin: the point's prompts are split
+into rounds of `concurrency` prompts (the last may be smaller), and round 1 of every mode runs, then
+round 2 of every mode, and so on, so a slow spell of the machine (its speed drifts by 15-25 % over a
+minute or two) hits every mode alike. The mode order rotates by one every round, and the rotation
+continues across points (none,fixed,adaptive; fixed,adaptive,none; ...), so no mode always goes first.
+Each (mode, round) is a fresh engine with `max_num_seqs = concurrency` whose prompts are all queued at
+once; every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in the
+point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and every
+mode's calibration record) is carried from round to round and point to point across every temperature,
+as in one long-running server; one cost model serves every adaptive engine and keeps refining itself.
+A short untimed warm-up generation per mode (at the first temperature) runs before the sweep.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from tqdm.auto import tqdm
 
 from specverify.calibration import RollingCalibration, scores
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
-from specverify.engine.llm_engine import LLMEngine
+from specverify.engine.llm_engine import EngineStats, LLMEngine
 from specverify.sampling_params import SamplingParams
 
 MODES = ("none", "fixed", "adaptive")
@@ -34,16 +39,23 @@ class BenchConfig:
 
     modes: list[str] = field(default_factory=lambda: list(MODES))
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16, 32])
-    # Prompts per (mode, concurrency) point; never fewer than the concurrency (None: the concurrency).
+    # Prompts per point; never fewer than concurrency * rounds (None: max(concurrency * rounds,
+    # min_prompts)).
     num_prompts: int | None = None
     max_tokens: int = 64
-    temperature: float = 1.0
+    # One temperature (0: greedy) or a list swept in turn; a one-element list becomes a float.
+    temperature: float | list[float] = 1.0
     top_p: float = 0.95
     num_speculative_tokens: int = 5
     seed: int = 0
     ignore_eos: bool = False
     warmup_tokens: int = 8
     warmup_prompts: int = 2
+    # Without num_prompts, a point gets at least this many prompts (one prompt alone is too noisy).
+    min_prompts: int = 4
+    # At least this many rounds of `concurrency` prompts per point: more side-by-side repetitions at a
+    # high concurrency, where the prompt floor alone gives one round.
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -55,23 +67,51 @@ class BenchConfig:
             raise ConfigError(f"concurrencies must be positive integers, got {self.concurrencies}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ConfigError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not isinstance(self.min_prompts, int) or self.min_prompts < 1:
+            raise ConfigError(f"min_prompts must be an integer >= 1, got {self.min_prompts!r}")
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ConfigError(f"rounds must be an integer >= 1, got {self.rounds!r}")
+        if isinstance(self.temperature, list | tuple):
+            temps = list(self.temperature)
+            if not temps:
+                raise ConfigError("temperature: give at least one value")
+            if len(set(temps)) != len(temps):
+                raise ConfigError(f"temperatures repeat: {temps}")
+            # One value stays a plain float, as results.json has always had it.
+            self.temperature = temps[0] if len(temps) == 1 else temps
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.warmup_tokens < 0:
             raise ConfigError(f"warmup_tokens must be >= 0 (0: no warm-up), got {self.warmup_tokens}")
         # Reuse SamplingParams' checks so a bad value fails before any model work.
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
+        for t in self.temperatures:
+            SamplingParams(temperature=t, top_p=self.top_p, max_tokens=self.max_tokens)
+
+    @property
+    def temperatures(self) -> list[float]:
+        """The temperatures swept, in order (one for a plain float)."""
+        return list(self.temperature) if isinstance(self.temperature, list) else [self.temperature]
 
     def prompts_for(self, concurrency: int) -> int:
-        return max(self.num_prompts or 0, concurrency)
+        """Prompts per point at this concurrency."""
+        floor = concurrency * self.rounds
+        if self.num_prompts is not None:
+            return max(self.num_prompts, floor)
+        return max(self.min_prompts, floor)
+
+    def rounds_for(self, concurrency: int) -> int:
+        """Rounds per point at this concurrency (the last one may hold fewer than `concurrency`)."""
+        return -(-self.prompts_for(concurrency) // concurrency)
 
 
 @dataclass
 class RunResult:
-    """One (mode, concurrency) point. Field names are part of the results.json schema (report.py)."""
+    """One mode at one (temperature, concurrency) point, summed over its rounds. Field names are part of
+    the results.json schema."""
 
     mode: str
     concurrency: int
+    temperature: float
     dataset: str
     num_prompts: int
     output_tokens: int
@@ -94,6 +134,7 @@ class RunResult:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_tokens_per_s: float | None = None
+    rounds: int = 1  # rounds of `concurrency` prompts this run's figures sum
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +148,24 @@ class _Counts:
     prefill_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
+
+
+@dataclass
+class _Round:
+    """One mode's share of one round: its engine's counters, the runner's step counts, the wall time."""
+
+    stats: EngineStats
+    counts: _Counts
+    wall_s: float
+
+
+def _sum_positions(lists: Sequence[Sequence[int]]) -> list[int]:
+    """Per-position counts summed slot by slot (a round that drafted less deep has a shorter list)."""
+    total = [0] * max((len(x) for x in lists), default=0)
+    for counts in lists:
+        for k, n in enumerate(counts):
+            total[k] += int(n)
+    return total
 
 
 @dataclass
@@ -166,7 +225,7 @@ def _plain(value: float) -> float | None:
 
 
 class BenchRunner:
-    """Builds one engine per point over shared runners and measures it."""
+    """Builds one engine per (mode, round) over shared runners and measures it."""
 
     def __init__(
         self,
@@ -196,6 +255,9 @@ class BenchRunner:
             raise ConfigError("modes 'fixed' and 'adaptive' need a draft model")
         self._estimator_state: dict[str, dict] = {}
         self._calibration: dict[str, BenchCalibration] = {}
+        self._rounds_run = 0  # rounds so far over the whole sweep: the mode order rotates with it
+        # Every timed (temperature, concurrency, round index within the point, mode), in the order run.
+        self.schedule: list[tuple[float, int, int, str]] = []
 
     # ---- engines ------------------------------------------------------------------------------------
 
@@ -234,10 +296,10 @@ class BenchRunner:
 
     # ---- generation ---------------------------------------------------------------------------------
 
-    def _params(self, index: int, max_tokens: int) -> SamplingParams:
+    def _params(self, index: int, max_tokens: int, temperature: float) -> SamplingParams:
         # The same seed for prompt i in every mode, so each mode samples the same way where it can.
         return SamplingParams(
-            temperature=self.config.temperature,
+            temperature=temperature,
             top_p=self.config.top_p,
             max_tokens=max_tokens,
             seed=self.config.seed * 1_000_003 + index,
@@ -245,11 +307,19 @@ class BenchRunner:
         )
 
     def _generate(
-        self, engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, bar: Any = None
+        self,
+        engine: LLMEngine,
+        prompts: Sequence[list[int]],
+        max_tokens: int,
+        temperature: float,
+        bar: Any = None,
+        first_index: int = 0,
     ) -> _Counts:
-        """Queue every prompt and step until all are done, timing prefill and decode steps apart."""
-        for i, ids in enumerate(prompts):
-            engine.add_request(ids, self._params(i, max_tokens))
+        """Queue every prompt and step until all are done, timing prefill and decode steps apart.
+
+        `first_index`: the index of `prompts[0]` in its point, which seeds it."""
+        for i, ids in enumerate(prompts, start=first_index):
+            engine.add_request(ids, self._params(i, max_tokens, temperature))
         counts = _Counts()
         while engine.has_unfinished_requests():
             start = time.perf_counter()
@@ -277,57 +347,119 @@ class BenchRunner:
         for mode in self.config.modes:
             engine = self.make_engine(mode, len(shortest))
             try:
-                self._generate(engine, shortest, self.config.warmup_tokens)
+                self._generate(engine, shortest, self.config.warmup_tokens, self.config.temperatures[0])
                 # Keep what the estimator learnt; calibration is scored on the timed runs only.
                 self._keep_estimator(mode, engine)
             finally:
                 engine.close()
 
-    def run_point(
-        self, mode: str, concurrency: int, prompts: Sequence[list[int]], bar: Any = None
-    ) -> RunResult:
+    def round_order(self, round_number: int) -> list[str]:
+        """The modes in the order they run in the sweep's `round_number`-th round (0-based), rotated by
+        one each round."""
+        modes = list(self.config.modes)
+        shift = round_number % len(modes)
+        return modes[shift:] + modes[:shift]
+
+    def _run_round(
+        self,
+        mode: str,
+        concurrency: int,
+        prompts: Sequence[list[int]],
+        first_index: int,
+        temperature: float,
+        bar: Any = None,
+    ) -> _Round:
+        """One mode's share of one round, on a fresh engine that continues the mode's estimator."""
         engine = self.make_engine(mode, concurrency)
         if engine.calibration is not None:
-            # One record per mode over all its timed points, like one long-running server.
+            # One record per mode over all its timed rounds, like one long-running server.
             engine.calibration = self._calibration.setdefault(mode, BenchCalibration())
         try:
             start = time.perf_counter()
-            counts = self._generate(engine, prompts, self.config.max_tokens, bar)
+            counts = self._generate(
+                engine, prompts, self.config.max_tokens, temperature, bar, first_index=first_index
+            )
             wall = time.perf_counter() - start
             self._keep_estimator(mode, engine)
         finally:
             engine.close()
-        s = engine.stats
+        return _Round(engine.stats, counts, wall)
+
+    def run_point(
+        self,
+        concurrency: int,
+        prompts: Sequence[list[int]],
+        bar: Any = None,
+        temperature: float | None = None,
+    ) -> list[RunResult]:
+        """Every mode over `prompts`, round-robin in rounds of `concurrency` prompts; one result per mode
+        (in the configured order), each summing its rounds (temperature None: the first configured)."""
+        if temperature is None:
+            temperature = self.config.temperatures[0]
+        chunks = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+        done: dict[str, list[_Round]] = {mode: [] for mode in self.config.modes}
+        for r, chunk in enumerate(chunks):
+            order = self.round_order(self._rounds_run)
+            self._rounds_run += 1
+            for mode in order:
+                if bar is not None:
+                    bar.set_description(
+                        f"  T={temperature:g} c={concurrency} round {r + 1}/{len(chunks)} {mode}"
+                    )
+                self.schedule.append((float(temperature), concurrency, r, mode))
+                done[mode].append(
+                    self._run_round(mode, concurrency, chunk, r * concurrency, temperature, bar)
+                )
+        return [
+            self._result(mode, concurrency, temperature, len(prompts), done[mode])
+            for mode in self.config.modes
+        ]
+
+    def _result(
+        self, mode: str, concurrency: int, temperature: float, num_prompts: int, rounds: list[_Round]
+    ) -> RunResult:
+        """One run: the mode's rounds at a point, summed."""
+
+        def total(get: Callable[[_Round], Any]) -> Any:
+            return sum(get(r) for r in rounds)
+
+        output_tokens = int(total(lambda r: r.stats.output_tokens))
+        wall = float(total(lambda r: r.wall_s))
+        decode_tokens = int(total(lambda r: r.counts.decode_tokens))
+        decode_s = float(total(lambda r: r.counts.decode_s))
         return RunResult(
             mode=mode,
             concurrency=concurrency,
+            temperature=float(temperature),
             dataset=self.dataset,
-            num_prompts=len(prompts),
-            output_tokens=int(s.output_tokens),
+            num_prompts=num_prompts,
+            output_tokens=output_tokens,
             wall_s=wall,
-            tokens_per_s=s.output_tokens / wall if wall > 0 else 0.0,
-            drafted_tokens=int(s.drafted_tokens),
-            verified_tokens=int(s.verified_tokens),
-            accepted_tokens=int(s.accepted_tokens),
-            steps=int(s.steps),
-            request_steps=counts.request_steps,
-            step_s=float(s.step_seconds_total),
-            planning_s=float(s.planning_seconds_total),
-            drafted_per_position=list(s.drafted_per_position),
-            verified_per_position=list(s.verified_per_position),
-            accepted_per_position=list(s.accepted_per_position),
-            finished_by_length=counts.by_length,
-            prefill_steps=counts.prefill_steps,
-            prefill_s=counts.prefill_s,
-            decode_tokens=counts.decode_tokens,
-            decode_s=counts.decode_s,
-            decode_tokens_per_s=counts.decode_tokens / counts.decode_s if counts.decode_s > 0 else None,
+            tokens_per_s=output_tokens / wall if wall > 0 else 0.0,
+            drafted_tokens=int(total(lambda r: r.stats.drafted_tokens)),
+            verified_tokens=int(total(lambda r: r.stats.verified_tokens)),
+            accepted_tokens=int(total(lambda r: r.stats.accepted_tokens)),
+            steps=int(total(lambda r: r.stats.steps)),
+            request_steps=int(total(lambda r: r.counts.request_steps)),
+            step_s=float(total(lambda r: r.stats.step_seconds_total)),
+            planning_s=float(total(lambda r: r.stats.planning_seconds_total)),
+            drafted_per_position=_sum_positions([r.stats.drafted_per_position for r in rounds]),
+            verified_per_position=_sum_positions([r.stats.verified_per_position for r in rounds]),
+            accepted_per_position=_sum_positions([r.stats.accepted_per_position for r in rounds]),
+            finished_by_length=int(total(lambda r: r.counts.by_length)),
+            prefill_steps=int(total(lambda r: r.counts.prefill_steps)),
+            prefill_s=float(total(lambda r: r.counts.prefill_s)),
+            decode_tokens=decode_tokens,
+            decode_s=decode_s,
+            decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
+            rounds=len(rounds),
         )
 
     def run(
         self, prompts: Sequence[list[int]], on_result: Callable[[BenchRun], None] | None = None
     ) -> BenchRun:
-        """Warm up, then for each concurrency run every mode on the first `prompts_for(c)` prompts.
+        """Warm up, then for each temperature, for each concurrency, run every mode side by side on the
+        first `prompts_for(c)` prompts, round-robin (the same prompts and seeds for every mode).
 
         `on_result` gets the results so far after every point (the CLI saves them as it goes)."""
         cfg = self.config
@@ -336,21 +468,21 @@ class BenchRunner:
             raise ValueError(f"the sweep needs {needed} prompts per point but only {len(prompts)} were given")
         self.warm_up(prompts)
         runs: list[RunResult] = []
-        points = [(c, m) for c in cfg.concurrencies for m in cfg.modes]
-        with tqdm(total=len(points), desc="bench", unit="run", disable=not self.progress) as outer:
-            for c, mode in points:
+        points = [(t, c) for t in cfg.temperatures for c in cfg.concurrencies]
+        with tqdm(total=len(points), desc="bench", unit="point", disable=not self.progress) as outer:
+            for t, c in points:
                 subset = prompts[: cfg.prompts_for(c)]
-                outer.set_description(f"bench c={c} {mode}")
+                outer.set_description(f"bench T={t:g} c={c}")
                 with tqdm(
-                    total=len(subset) * cfg.max_tokens,
-                    desc=f"  {mode} c={c}",
+                    total=len(subset) * cfg.max_tokens * len(cfg.modes),
+                    desc=f"  T={t:g} c={c}",
                     unit="tok",
                     leave=False,
                     disable=not self.progress,
                 ) as bar:
-                    result = self.run_point(mode, c, subset, bar)
-                runs.append(result)
-                outer.set_postfix_str(f"{result.tokens_per_s:.1f} tok/s")
+                    results = self.run_point(c, subset, bar, temperature=t)
+                runs.extend(results)
+                outer.set_postfix_str(" ".join(f"{r.mode} {r.tokens_per_s:.1f}" for r in results) + " tok/s")
                 outer.update(1)
                 if on_result is not None:
                     on_result(self.snapshot(runs))

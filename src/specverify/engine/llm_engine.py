@@ -28,9 +28,12 @@ from specverify.sampling_params import SamplingParams
 _FEATURE_MEMORY = 512
 # Labels the estimator must have seen before the planner may skip drafting or leave drafts unverified.
 _WARMUP_LABELS = 200
-# With speculation off, a probe step of this depth (all verified) after this many plain steps.
+# With speculation off, a probe step of this depth (all verified) after this many plain steps, on at
+# most this many requests (those whose draft has least to catch up): a few labels suffice to correct a
+# pessimistic estimate, and every probed request first feeds the draft the tokens it missed.
 _PROBE_EVERY = 48
 _PROBE_DEPTH = 2
+_PROBE_REQUESTS = 4
 
 
 class PromptError(ValueError):
@@ -43,7 +46,7 @@ class StepTiming:
 
     target_tokens: int
     target_seconds: float
-    draft_forwards: list[tuple[int, float]]
+    draft_forwards: list[tuple[int, float]]  # (tokens fed, seconds) per draft forward
     context_tokens: int
 
 
@@ -125,6 +128,7 @@ class LLMEngine:
         self._recent_features: list[np.ndarray] = []
         self._plain_streak = 0
         self._probing = False
+        self._probe_rows: np.ndarray | None = None  # rows drafting in a probe step (None: all)
         if self.spec is not None:
             self._init_speculation(cost_model)
 
@@ -255,6 +259,7 @@ class LLMEngine:
         return outputs
 
     def _draft_depth(self, running: list[Request]) -> int:
+        self._probe_rows = None
         if self.spec is None:
             return 0
         k = self.spec.num_speculative_tokens
@@ -262,18 +267,32 @@ class LLMEngine:
             return k
         start = time.perf_counter()
         context = sum(r.num_tokens for r in running)
-        depth = int(self.planner.choose_draft_depth(len(running), self._expected_acceptance(), context))
-        self.stats.planning_seconds_total += time.perf_counter() - start
+        draft_lags = np.array([r.num_tokens - self.draft.cache_length(r.seq_id) for r in running])
+        depth = int(
+            self.planner.choose_draft_depth(
+                len(running),
+                self._expected_acceptance(),
+                context,
+                target_feed_tokens=sum(r.num_tokens - self.target.cache_length(r.seq_id) for r in running),
+                draft_feed_tokens=int(draft_lags.sum()),
+            )
+        )
         # Exploration: full drafts until the estimator knows the pair, then a short probe now and then
         # while speculation is off, so a pessimistic estimate or a changed workload can still be seen.
-        # Both depend only on counters, never on drafts, so losslessness is untouched.
+        # Both depend only on counters and earlier steps, never on drafts: losslessness is untouched.
         self._probing = self.estimator.n_observed_ < _WARMUP_LABELS
         if self._probing:
+            self.stats.planning_seconds_total += time.perf_counter() - start
             return k
         self._plain_streak = self._plain_streak + 1 if depth == 0 else 0
         if self._plain_streak > _PROBE_EVERY:
-            self._plain_streak, self._probing = 0, True
-            return min(_PROBE_DEPTH, k)
+            self._plain_streak = 0
+            # No probe where even better drafts could not pay at this load: it would only cost.
+            if self.planner.could_pay(len(running), context):
+                self._probing = True
+                self._probe_rows = np.argsort(draft_lags, kind="stable")[:_PROBE_REQUESTS]
+                depth = min(_PROBE_DEPTH, k)
+        self.stats.planning_seconds_total += time.perf_counter() - start
         return depth
 
     def _expected_acceptance(self) -> np.ndarray:
@@ -315,6 +334,10 @@ class LLMEngine:
         caps = np.array(
             [max(0, min(depth, r.remaining - 1, self.max_model_len - r.num_tokens)) for r in running]
         )
+        if self._probe_rows is not None:  # a probe drafts for a few requests; the others decode plainly
+            probed = np.zeros(r_count, dtype=bool)
+            probed[self._probe_rows] = True
+            caps[~probed] = 0
         draft_tokens = torch.zeros(r_count, depth, dtype=torch.long)
         draft_probs = torch.zeros(r_count, depth, vocab)
         features = np.full((r_count, depth), np.nan)
@@ -335,6 +358,7 @@ class LLMEngine:
             else:
                 feeds = [[int(draft_tokens[i, k - 1])] for i in active]
             logits = self.draft.forward([r.seq_id for r in reqs], feeds, [1] * len(reqs))
+            fed = sum(map(len, feeds))
             params = [r.params for r in reqs]
             q = sampler.probabilities(logits, params)
             tokens = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
@@ -354,7 +378,7 @@ class LLMEngine:
                 survival[active, k] = (survival[active, k - 1] if k else 1.0) * p
                 keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
                 self.stats.planning_seconds_total += time.perf_counter() - start
-            draft_timings.append((len(reqs), time.perf_counter() - draft_start))
+            draft_timings.append((fed, time.perf_counter() - draft_start))
         survival[np.arange(depth)[None, :] >= drafted[:, None]] = 0.0
 
         num_verified = self._admit(survival, drafted)
