@@ -224,3 +224,23 @@ def test_probes_draft_for_a_few_requests_and_only_where_speculation_could_pay(mo
         assert engine.stats.verified_tokens == engine.stats.drafted_tokens  # probes verify everything
     else:
         assert engine.stats.drafted_tokens == 0
+
+
+def test_speculation_state_carries_estimator_and_recent_features() -> None:
+    import numpy as np
+
+    engine, *_ = make_engine(k=3)
+    for i in range(4):
+        engine.add_request([i % VOCAB, 1, 2], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    run_all(engine)
+    state = engine.speculation_state()
+    fresh, *_ = make_engine(k=3)
+    before = fresh._expected_acceptance()
+    fresh.load_speculation_state(state)
+    np.testing.assert_allclose(fresh._expected_acceptance(), engine._expected_acceptance())
+    assert not np.allclose(before, fresh._expected_acceptance())  # it did change something
+    assert fresh.estimator.n_observed_ == engine.estimator.n_observed_
+    plain, *_ = make_engine(k=None)
+    assert plain.speculation_state() is None
+    with pytest.raises(ConfigError):
+        plain.load_speculation_state(state)

@@ -256,10 +256,13 @@ def test_draft_catch_up_is_priced() -> None:
     planner = AdaptivePlanner(cpu_like_cost(), K)
     r, p = 4, np.full(K, 0.8)
     assert planner.choose_draft_depth(r, p) > 0
-    assert planner.choose_draft_depth(r, p, draft_feed_tokens=r * 200) == 0
-    # Amortised over more steps, the same catch-up is worth paying.
+    # Requests about to finish: the catch-up could not pay back.
+    assert planner.choose_draft_depth(r, p, draft_feed_tokens=r * 200, remaining_tokens=4) == 0
+    assert planner.choose_draft_depth(r, p, draft_feed_tokens=r * 200, remaining_tokens=10_000) == 0
+    # Amortised over more steps (long requests, a planner allowed a long horizon), it is worth paying.
     patient = AdaptivePlanner(cpu_like_cost(), K, catchup_horizon=1000)
-    assert patient.choose_draft_depth(r, p, draft_feed_tokens=r * 200) > 0
+    assert patient.choose_draft_depth(r, p, draft_feed_tokens=r * 200, remaining_tokens=10_000) > 0
+    assert patient.choose_draft_depth(r, p, draft_feed_tokens=r * 200, remaining_tokens=4) == 0
 
 
 def test_could_pay_only_where_better_drafts_could_win() -> None:

@@ -6,7 +6,7 @@ yields R + sum_{(r,k) in S} s[r,k] expected tokens (every request gets one targe
 D * draft_time(R) + target_time(R + |S|). In the steady state the planner maximises expected tokens per
 second; that best rate lambda (the value of a second) then prices what a single step must pay on top: the
 draft's catch-up (tokens it has not consumed yet: a new prompt, or what it missed while speculation was
-off; amortised over `catchup_horizon` steps) and prefill (shared by every option). A step's choice
+off; amortised over the steps the requests still have, at most `catchup_horizon`) and prefill (shared by every option). A step's choice
 maximises tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
 
 LOSSLESSNESS (DESIGN §5). Whether slot k of request r is verified may depend on the prefix and on draft
@@ -80,7 +80,7 @@ class AdaptivePlanner:
         history_steps: int = 8,
         min_gain: float = 0.02,
         initial_threshold: float = 0.0,
-        catchup_horizon: float = 4.0,
+        catchup_horizon: float = 16.0,
     ) -> None:
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
@@ -91,8 +91,8 @@ class AdaptivePlanner:
         # Speculation must beat plain decoding by this relative margin: cost profiles are noisy and
         # switching speculation back on costs a draft catch-up forward the model does not see.
         self.min_gain = float(min_gain)
-        # Steps over which a draft catch-up (prompt, or tokens missed while speculation was off) is
-        # amortised when pricing the step that pays it: switching on must pay back within a few steps.
+        # At most this many steps amortise a draft catch-up (prompt, or tokens missed while speculation
+        # was off) when pricing the step that pays it: switching on must pay back within them.
         if catchup_horizon < 1.0:
             raise ValueError("catchup_horizon must be >= 1 step")
         self.catchup_horizon = float(catchup_horizon)
@@ -150,6 +150,7 @@ class AdaptivePlanner:
         target_feed: int | None = None,
         draft_feed: int | None = None,
         value_of_time: float | None = None,
+        horizon: float = 1.0,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For each candidate depth D, the best global budget on the pooled survivals.
 
@@ -174,8 +175,8 @@ class AdaptivePlanner:
         budget_tokens = count * scale
         tokens = r_count + gain * scale
         # The first draft forward also consumes what the draft has not seen yet (its catch-up): an
-        # investment that later steps reuse, so only 1 / catchup_horizon of its extra time is charged.
-        catchup = (self.cost.draft_time(draft_feed) - self.cost.draft_time(r_count)) / self.catchup_horizon
+        # investment the following steps reuse, so 1 / horizon of its extra time is charged to this one.
+        catchup = (self.cost.draft_time(draft_feed) - self.cost.draft_time(r_count)) / max(horizon, 1.0)
         draft_cost = np.where(depths > 0, depths * self.cost.draft_time(r_count) + catchup, 0.0)
         # Depth 0 is a plain step, with its own measured cost (no verification overhead). Tokens being
         # prefilled cost every option the same, so one curve prices them for all: two curves, each
@@ -214,6 +215,7 @@ class AdaptivePlanner:
         *,
         target_feed_tokens: int | None = None,
         draft_feed_tokens: int | None = None,
+        remaining_tokens: float | None = None,
     ) -> int:
         """Draft depth D in 0..K for this step (0: plain decoding).
 
@@ -222,7 +224,9 @@ class AdaptivePlanner:
         each model must consume first (`target_feed_tokens`: prompts being prefilled; `draft_feed_tokens`:
         the draft's catch-up), maximises tokens - lambda * seconds. In the steady state both give the
         same choice; with a large shared prefill, maximising this step's rate would add drafts whose
-        extra tokens come at a worse rate than plain decoding gives later.
+        extra tokens come at a worse rate than plain decoding gives later. The catch-up is amortised
+        over the steps the requests will still speculate: `remaining_tokens` (mean per request) over the
+        steady plan's tokens per request and step, at most `catchup_horizon`.
 
         Uses previous steps' survivals (extrapolated with `expected_p`, the recent mean acceptance per
         position) so heterogeneous requests are admitted top-first. Also fixes this step's admission
@@ -236,8 +240,12 @@ class AdaptivePlanner:
             return 0
         depths = np.arange(self.k + 1)
         pooled = self._pooled(self.expected_p)
-        steady, *_ = self._plan(r_count, depths, pooled, context_tokens)
+        steady, steady_tokens, *_ = self._plan(r_count, depths, pooled, context_tokens)
         self.value_of_time = float(steady.max())
+        horizon = self.catchup_horizon
+        if remaining_tokens is not None:
+            per_step = float(steady_tokens[1:].max()) / r_count  # tokens per request and step, drafting
+            horizon = min(horizon, max(1.0, float(remaining_tokens) / max(per_step, 1.0)))
         score, tokens, budget, thresholds, seconds = self._plan(
             r_count,
             depths,
@@ -246,6 +254,7 @@ class AdaptivePlanner:
             target_feed=target_feed_tokens,
             draft_feed=draft_feed_tokens,
             value_of_time=self.value_of_time,
+            horizon=horizon,
         )
         best = int(np.argmax(score[1:])) + 1
         # Speculation must win by min_gain: in the steady state this is rate >= plain * (1 + min_gain).

@@ -285,14 +285,15 @@ class BenchRunner:
             draft=self.draft if mode != "none" else None,
             cost_model=self.cost_model if mode == "adaptive" else None,
         )
-        # One estimator per mode stays warm across the sweep, as it would in a long-running server.
+        # One estimator (and the recent draft features the planner reads) per mode stays warm across
+        # the sweep, as it would in a long-running server.
         if engine.estimator is not None and mode in self._estimator_state:
-            engine.estimator.load_state_dict(self._estimator_state[mode])
+            engine.load_speculation_state(self._estimator_state[mode])
         return engine
 
     def _keep_estimator(self, mode: str, engine: LLMEngine) -> None:
         if engine.estimator is not None:
-            self._estimator_state[mode] = engine.estimator.state_dict()
+            self._estimator_state[mode] = engine.speculation_state()
 
     # ---- generation ---------------------------------------------------------------------------------
 

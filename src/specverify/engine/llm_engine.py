@@ -173,6 +173,23 @@ class LLMEngine:
             with open(path, "w") as f:
                 json.dump(self.estimator.state_dict(), f)
 
+    def speculation_state(self) -> dict | None:
+        """What this engine has learned about its drafts, to carry into another engine over the same
+        pair (as a long-running server keeps it): the estimator's state and the recent draft features
+        that stand for the next steps' drafts when a depth is chosen. None without speculation."""
+        if self.estimator is None:
+            return None
+        recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros(0)
+        return {"estimator": self.estimator.state_dict(), "recent_features": recent.tolist()}
+
+    def load_speculation_state(self, state: dict) -> None:
+        """Warm start from `speculation_state()`."""
+        if self.estimator is None:
+            raise ConfigError("this engine does not speculate: there is no speculation state to load")
+        self.estimator.load_state_dict(state["estimator"])
+        recent = np.asarray(state.get("recent_features", []), dtype=np.float64)
+        self._recent_features = [recent[np.isfinite(recent)][-_FEATURE_MEMORY:]] if recent.size else []
+
     @staticmethod
     def _eos_ids(tokenizer, target) -> set[int]:
         ids = set(getattr(target, "eos_token_ids", ()) or ())
@@ -275,6 +292,7 @@ class LLMEngine:
                 context,
                 target_feed_tokens=sum(r.num_tokens - self.target.cache_length(r.seq_id) for r in running),
                 draft_feed_tokens=int(draft_lags.sum()),
+                remaining_tokens=float(np.mean([r.remaining for r in running])),
             )
         )
         # Exploration: full drafts until the estimator knows the pair, then a short probe now and then
