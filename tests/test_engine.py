@@ -196,7 +196,8 @@ def test_probes_draft_for_a_few_requests_and_only_where_speculation_could_pay(mo
     from specverify.cost_model import CostModel
 
     monkeypatch.setattr(engine_module, "_WARMUP_LABELS", 0)
-    monkeypatch.setattr(engine_module, "_PROBE_EVERY", 3)
+    monkeypatch.setattr(engine_module, "_PROBE_MIN_STREAK", 3)
+    monkeypatch.setattr(engine_module, "_EXPLORATION_SHARE", 1e9)  # time is no object here
     tokens = np.array([1.0, 8.0, 64.0])
     cost = CostModel(tokens, 1.0 + tokens, tokens, 0.1 + tokens)  # speculation never chosen on merit
     target_fn, draft_fn = toy_pair()
@@ -244,3 +245,31 @@ def test_speculation_state_carries_estimator_and_recent_features() -> None:
     assert plain.speculation_state() is None
     with pytest.raises(ConfigError):
         plain.load_speculation_state(state)
+
+
+def test_greedy_and_sampled_requests_train_their_own_estimators(tmp_path) -> None:
+    import json
+
+    engine, *_ = make_engine(k=3)
+    for i in range(3):
+        engine.add_request([i % VOCAB, 1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    run_all(engine)
+    assert engine.greedy_estimator.n_observed_ > 0
+    assert engine.estimator.n_observed_ == 0  # greedy labels never reach the sampled estimator
+    engine.add_request([1, 2], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))
+    greedy_before = engine.greedy_estimator.n_observed_
+    run_all(engine)
+    assert engine.estimator.n_observed_ > 0 and engine.greedy_estimator.n_observed_ == greedy_before
+    # Both states survive a save / load; an older single-estimator file warms the sampled one.
+    path = tmp_path / "state.json"
+    engine.save_estimator_state(str(path))
+    fresh, *_ = make_engine(k=3)
+    fresh.load_estimator_state(str(path))
+    assert fresh.estimator.coef_[0] == engine.estimator.coef_[0]
+    assert fresh.greedy_estimator.n_observed_ == engine.greedy_estimator.n_observed_
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(engine.estimator.state_dict()))
+    older, *_ = make_engine(k=3)
+    older.load_estimator_state(str(old))
+    assert older.estimator.n_observed_ == engine.estimator.n_observed_
+    assert older.greedy_estimator.n_observed_ == 0

@@ -28,12 +28,15 @@ from specverify.sampling_params import SamplingParams
 _FEATURE_MEMORY = 512
 # Labels the estimator must have seen before the planner may skip drafting or leave drafts unverified.
 _WARMUP_LABELS = 200
-# With speculation off, a probe step of this depth (all verified) after this many plain steps, on at
-# most this many requests (those whose draft has least to catch up): a few labels suffice to correct a
-# pessimistic estimate, and every probed request first feeds the draft the tokens it missed.
-_PROBE_EVERY = 48
+# With speculation off, a short fully verified probe (this depth, on at most this many requests: those
+# whose draft has least to catch up) lets a pessimistic estimate be corrected. Every probed request first
+# feeds the draft the tokens it missed, so probes are rationed: the predicted probe time may be at most
+# _EXPLORATION_SHARE of the time spent decoding plainly since the last one, and never sooner than
+# _PROBE_MIN_STREAK plain steps.
+_PROBE_MIN_STREAK = 16
 _PROBE_DEPTH = 2
 _PROBE_REQUESTS = 4
+_EXPLORATION_SHARE = 0.01
 
 
 class PromptError(ValueError):
@@ -121,12 +124,14 @@ class LLMEngine:
         self.stats = EngineStats()
         self._seed_source = np.random.SeedSequence(self.config.seed)
         self.incremental_text = False  # the server turns this on to stream text deltas
-        self.estimator = None
+        self.estimator = None  # acceptance estimator for sampled requests (temperature > 0)
+        self.greedy_estimator = None  # and for greedy ones: exact-match acceptance relates differently
         self.planner = None
         self.calibration = None
         self.trace = None
         self._recent_features: list[np.ndarray] = []
         self._plain_streak = 0
+        self._plain_seconds = 0.0  # predicted time of the plain steps since the last probe
         self._probing = False
         self._probe_rows: np.ndarray | None = None  # rows drafting in a probe step (None: all)
         if self.spec is not None:
@@ -141,6 +146,7 @@ class LLMEngine:
         k = self.spec.num_speculative_tokens
         try:
             self.estimator = AcceptanceEstimator(k, **self.spec.estimator)
+            self.greedy_estimator = AcceptanceEstimator(k, **self.spec.estimator)
         except TypeError as e:
             raise ConfigError(f"bad estimator options {self.spec.estimator}: {e}") from e
         if self.spec.estimator_state:
@@ -160,18 +166,37 @@ class LLMEngine:
 
             self.trace = TraceWriter(self.config.record_trace)
 
+    def estimator_state(self) -> dict:
+        """Both acceptance estimators' states (sampled and greedy requests), JSON-ready."""
+        if self.greedy_estimator is None:  # an estimator set from outside (tests, tools): just its own
+            return self.estimator.state_dict()
+        return {
+            "kind": "SpeculationEstimators",
+            "sampled": self.estimator.state_dict(),
+            "greedy": self.greedy_estimator.state_dict(),
+        }
+
+    def load_estimator_dict(self, state: dict) -> None:
+        """Warm start from `estimator_state()`; a single estimator's state (older files) warms the
+        sampled-request estimator only."""
+        if isinstance(state, dict) and state.get("kind") == "SpeculationEstimators":
+            self.estimator.load_state_dict(state["sampled"])
+            self.greedy_estimator.load_state_dict(state["greedy"])
+        else:
+            self.estimator.load_state_dict(state)
+
     def load_estimator_state(self, path: str) -> None:
         import json
 
         with open(path) as f:
-            self.estimator.load_state_dict(json.load(f))
+            self.load_estimator_dict(json.load(f))
 
     def save_estimator_state(self, path: str) -> None:
         import json
 
         if self.estimator is not None:
             with open(path, "w") as f:
-                json.dump(self.estimator.state_dict(), f)
+                json.dump(self.estimator_state(), f)
 
     def speculation_state(self) -> dict | None:
         """What this engine has learned about its drafts, to carry into another engine over the same
@@ -180,13 +205,13 @@ class LLMEngine:
         if self.estimator is None:
             return None
         recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros(0)
-        return {"estimator": self.estimator.state_dict(), "recent_features": recent.tolist()}
+        return {"estimator": self.estimator_state(), "recent_features": recent.tolist()}
 
     def load_speculation_state(self, state: dict) -> None:
         """Warm start from `speculation_state()`."""
         if self.estimator is None:
             raise ConfigError("this engine does not speculate: there is no speculation state to load")
-        self.estimator.load_state_dict(state["estimator"])
+        self.load_estimator_dict(state["estimator"])
         recent = np.asarray(state.get("recent_features", []), dtype=np.float64)
         self._recent_features = [recent[np.isfinite(recent)][-_FEATURE_MEMORY:]] if recent.size else []
 
@@ -285,10 +310,11 @@ class LLMEngine:
         start = time.perf_counter()
         context = sum(r.num_tokens for r in running)
         draft_lags = np.array([r.num_tokens - self.draft.cache_length(r.seq_id) for r in running])
+        greedy = self._greedy_rows(running)
         depth = int(
             self.planner.choose_draft_depth(
                 len(running),
-                self._expected_acceptance(),
+                self._expected_acceptance(float(greedy.mean())),
                 context,
                 target_feed_tokens=sum(r.num_tokens - self.target.cache_length(r.seq_id) for r in running),
                 draft_feed_tokens=int(draft_lags.sum()),
@@ -298,27 +324,63 @@ class LLMEngine:
         # Exploration: full drafts until the estimator knows the pair, then a short probe now and then
         # while speculation is off, so a pessimistic estimate or a changed workload can still be seen.
         # Both depend only on counters and earlier steps, never on drafts: losslessness is untouched.
-        self._probing = self.estimator.n_observed_ < _WARMUP_LABELS
+        self._probing = any(
+            est.n_observed_ < _WARMUP_LABELS
+            for est, present in ((self.estimator, (~greedy).any()), (self.greedy_estimator, greedy.any()))
+            if present
+        )
         if self._probing:
             self.stats.planning_seconds_total += time.perf_counter() - start
             return k
-        self._plain_streak = self._plain_streak + 1 if depth == 0 else 0
-        if self._plain_streak > _PROBE_EVERY:
-            self._plain_streak = 0
-            # No probe where even better drafts could not pay at this load: it would only cost.
-            if self.planner.could_pay(len(running), context):
-                self._probing = True
-                self._probe_rows = np.argsort(draft_lags, kind="stable")[:_PROBE_REQUESTS]
-                depth = min(_PROBE_DEPTH, k)
+        if depth > 0:
+            self._plain_streak, self._plain_seconds = 0, 0.0
+        else:
+            self._plain_streak += 1
+            self._plain_seconds += float(self.planner.cost.plain_time(len(running)))
+        if self._plain_streak > _PROBE_MIN_STREAK:
+            rows = np.argsort(draft_lags, kind="stable")[:_PROBE_REQUESTS]
+            if (
+                self._probe_seconds(len(running), draft_lags[rows])
+                <= _EXPLORATION_SHARE * self._plain_seconds
+            ):
+                self._plain_streak, self._plain_seconds = 0, 0.0
+                # No probe where even better drafts could not pay at this load: it would only cost.
+                if self.planner.could_pay(len(running), context):
+                    self._probing, self._probe_rows = True, rows
+                    depth = min(_PROBE_DEPTH, k)
         self.stats.planning_seconds_total += time.perf_counter() - start
         return depth
 
-    def _expected_acceptance(self) -> np.ndarray:
-        """Mean predicted acceptance per position over recently seen draft features (none seen: x = 0)."""
+    def _probe_seconds(self, num_requests: int, lags: np.ndarray) -> float:
+        """Predicted extra time of a probe step over a plain one: the probed requests' draft catch-up,
+        the probe's other draft forwards, and the verification of its drafts."""
+        cost, n, d = self.planner.cost, len(lags), min(_PROBE_DEPTH, self.spec.num_speculative_tokens)
+        drafting = cost.draft_time(int(lags.sum())) + (d - 1) * cost.draft_time(n)
+        return float(drafting + cost.target_time(num_requests + n * d) - cost.plain_time(num_requests))
+
+    def _expected_acceptance(self, greedy_fraction: float = 0.0) -> np.ndarray:
+        """Mean predicted acceptance per position over recently seen draft features (none seen: x = 0),
+        mixing the greedy and sampled estimators as the batch does."""
         k = self.spec.num_speculative_tokens
         recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros(1)
         grid = np.repeat(recent[:, None], k, axis=1)
-        return self.estimator.predict(grid).mean(axis=0)
+        sampled = self.estimator.predict(grid).mean(axis=0)
+        if greedy_fraction <= 0.0:
+            return sampled
+        greedy = self.greedy_estimator.predict(grid).mean(axis=0)
+        return (1.0 - greedy_fraction) * sampled + greedy_fraction * greedy
+
+    @staticmethod
+    def _greedy_rows(requests: list[Request]) -> np.ndarray:
+        return np.array([r.params.temperature == 0 for r in requests], dtype=bool)
+
+    def _predict(self, features: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+        """Acceptance probabilities [R, K], each row from its sampling regime's estimator."""
+        out = np.empty(features.shape)
+        for est, rows in ((self.estimator, ~greedy), (self.greedy_estimator, greedy)):
+            if rows.any():
+                out[rows] = est.predict(features[rows])
+        return out
 
     def _remember_features(self, features: np.ndarray) -> None:
         seen = features[np.isfinite(features)]
@@ -361,6 +423,7 @@ class LLMEngine:
         features = np.full((r_count, depth), np.nan)
         raw_qmax = np.full((r_count, depth), np.nan)
         survival = np.ones((r_count, depth))
+        greedy = self._greedy_rows(running)
         drafted = np.zeros(r_count, dtype=np.int64)
         keep_going = np.ones(r_count, dtype=bool)
         trace_features: dict[str, np.ndarray] | None = None
@@ -392,7 +455,7 @@ class LLMEngine:
             if self.planner is not None:
                 # Only distributions up to slot k (and so tokens before k) decide whether to draft k + 1.
                 start = time.perf_counter()
-                p = self.estimator.predict(features[active, : k + 1])[:, k]
+                p = self._predict(features[active, : k + 1], greedy[active])[:, k]
                 survival[active, k] = (survival[active, k - 1] if k else 1.0) * p
                 keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
                 self.stats.planning_seconds_total += time.perf_counter() - start
@@ -489,15 +552,17 @@ class LLMEngine:
     ) -> None:
         start = time.perf_counter()
         self.stats.count_slots(drafted, verified, accepted)
-        predictions = self.estimator.predict(features)
+        greedy = self._greedy_rows(running)
+        predictions = self._predict(features, greedy)
         trains = np.array([not r.params.alters_target for r in running])
         depth = features.shape[1]
         slots = np.arange(depth)[None, :]
         labelled = (slots < verified[:, None]) & (slots <= accepted[:, None]) & trains[:, None]
         labels = (slots < accepted[:, None]).astype(np.float64)
         self.calibration.update(predictions[labelled], labels[labelled], raw_qmax[labelled])
-        if trains.any():
-            self.estimator.observe(features[trains], verified[trains], accepted[trains])
+        for est, rows in ((self.estimator, trains & ~greedy), (self.greedy_estimator, trains & greedy)):
+            if rows.any():
+                est.observe(features[rows], verified[rows], accepted[rows])
         self._remember_features(features)
         if self.planner is not None:
             # The survivals computed while drafting (0 beyond each request's drafted depth).
