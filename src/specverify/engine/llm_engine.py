@@ -284,11 +284,13 @@ class LLMEngine:
         if not running:
             return []
         start = time.perf_counter()
-        depth = self._draft_depth(running)
+        # Which requests decode greedily: they use the greedy estimator (computed once per step).
+        greedy = self._greedy_rows(running)
+        depth = self._draft_depth(running, greedy)
         if depth == 0:
             new_tokens = self._plain_step(running)
         else:
-            new_tokens = self._speculative_step(running, depth)
+            new_tokens = self._speculative_step(running, depth, greedy)
         outputs = [self._emit(request, tokens) for request, tokens in zip(running, new_tokens, strict=True)]
         self.scheduler.finish([r for r in running if r.finished])
         elapsed = time.perf_counter() - start
@@ -300,7 +302,7 @@ class LLMEngine:
         stats.last_draft_depth = depth
         return outputs
 
-    def _draft_depth(self, running: list[Request]) -> int:
+    def _draft_depth(self, running: list[Request], greedy: np.ndarray) -> int:
         self._probe_rows = None
         if self.spec is None:
             return 0
@@ -310,7 +312,6 @@ class LLMEngine:
         start = time.perf_counter()
         context = sum(r.num_tokens for r in running)
         draft_lags = np.array([r.num_tokens - self.draft.cache_length(r.seq_id) for r in running])
-        greedy = self._greedy_rows(running)
         depth = int(
             self.planner.choose_draft_depth(
                 len(running),
@@ -408,7 +409,7 @@ class LLMEngine:
             self.planner.cost.observe_plain(sum(map(len, feeds)), time.perf_counter() - start)
         return [[t] for t in tokens.tolist()]
 
-    def _speculative_step(self, running: list[Request], depth: int) -> list[list[int]]:
+    def _speculative_step(self, running: list[Request], depth: int, greedy: np.ndarray) -> list[list[int]]:
         r_count, vocab = len(running), self.target.vocab_size
         # Never draft past what the request may still emit, nor past the context window.
         caps = np.array(
@@ -423,7 +424,6 @@ class LLMEngine:
         features = np.full((r_count, depth), np.nan)
         raw_qmax = np.full((r_count, depth), np.nan)
         survival = np.ones((r_count, depth))
-        greedy = self._greedy_rows(running)
         drafted = np.zeros(r_count, dtype=np.int64)
         keep_going = np.ones(r_count, dtype=bool)
         trace_features: dict[str, np.ndarray] | None = None
@@ -492,7 +492,16 @@ class LLMEngine:
             context_tokens=sum(r.num_tokens for r in running),
         )
         self._learn(
-            running, features, raw_qmax, survival, drafted, num_verified, accepted_np, trace_features, timing
+            running,
+            greedy,
+            features,
+            raw_qmax,
+            survival,
+            drafted,
+            num_verified,
+            accepted_np,
+            trace_features,
+            timing,
         )
 
         new_tokens = []
@@ -548,11 +557,20 @@ class LLMEngine:
         return verified
 
     def _learn(
-        self, running, features, raw_qmax, survival, drafted, verified, accepted, trace_features, timing
+        self,
+        running,
+        greedy,
+        features,
+        raw_qmax,
+        survival,
+        drafted,
+        verified,
+        accepted,
+        trace_features,
+        timing,
     ) -> None:
         start = time.perf_counter()
         self.stats.count_slots(drafted, verified, accepted)
-        greedy = self._greedy_rows(running)
         predictions = self._predict(features, greedy)
         trains = np.array([not r.params.alters_target for r in running])
         depth = features.shape[1]
