@@ -124,9 +124,11 @@ def run_toy_bench(
 ) -> tuple[dict, list]:
     """A toy sweep; `engines` lists (mode, engine) in creation order, each engine's `requests` the
     (prompt ids, SamplingParams) it was given and `initial_estimator` its estimator's state when its
-    first request came (None without an estimator). `keep` gets the runner as "runner"."""
+    first request came (None without an estimator). `keep` gets the runner as "runner" and every step
+    call's engine, in order, as "steps"."""
     target, tokenizer, draft = toy_models()
     engines: list[tuple[str, LLMEngine]] = []
+    steps: list[LLMEngine] = []  # every step call, in order
 
     def factory(*args, **kwargs) -> LLMEngine:
         engine = LLMEngine(*args, **kwargs)
@@ -145,6 +147,13 @@ def run_toy_bench(
             return add_request(ids, params, *a, **k)
 
         engine.add_request = recording_add_request
+        step = engine.step
+
+        def recording_step():
+            steps.append(engine)
+            return step()
+
+        engine.step = recording_step
         return engine
 
     settings = dict(
@@ -172,7 +181,7 @@ def run_toy_bench(
         engine_factory=factory,
     )
     if keep is not None:
-        keep["runner"] = runner
+        keep["runner"], keep["steps"] = runner, steps
     bench = runner.run(prompts)
     results = write_report(bench, tmp_path, {"target": "toy", "draft": "toy-draft"})
     return results, engines
@@ -512,6 +521,30 @@ def test_modes_take_turns_round_by_round_in_a_rotating_order(round_robin_bench) 
     assert [(r["concurrency"], r["mode"], r["rounds"]) for r in results["runs"]] == [
         (c, m, n) for c, n in ((1, 3), (2, 2)) for m in modes
     ]
+
+
+def test_within_a_round_the_modes_step_in_turn_and_each_is_timed_alone(tmp_path: Path) -> None:
+    keep: dict = {}
+    results, engines = run_toy_bench(tmp_path, concurrencies=(2,), num_prompts=4, keep=keep)
+    timed = [engine for _, engine in engines[3:]]  # after one warm-up engine per mode
+    calls = [engine for engine in keep["steps"] if any(engine is t for t in timed)]
+    assert len(timed) == 6  # two rounds of two prompts, three modes
+    for r in range(2):
+        order = timed[3 * r : 3 * r + 3]  # created in the round's (rotated) step order
+        left = {id(e): e.stats.steps for e in order}
+        # One step of every engine with work left, in order, until all are done.
+        expected, live = [], list(order)
+        while live:
+            for engine in live:
+                expected.append(engine)
+                left[id(engine)] -= 1
+            live = [e for e in live if left[id(e)] > 0]
+        got = [e for e in calls if any(e is o for o in order)]
+        assert [id(e) for e in got] == [id(e) for e in expected]
+    # A mode's seconds are its own engine calls: they hold all of its step time.
+    for run in results["runs"]:
+        assert run["prefill_s"] + run["decode_s"] <= run["wall_s"]
+        assert run["step_s"] <= run["wall_s"]
 
 
 def test_every_mode_gets_the_same_prompts_and_seeds_in_every_round(round_robin_bench) -> None:

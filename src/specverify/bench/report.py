@@ -26,9 +26,9 @@ results.json schema (stable: fields may be added, never renamed or removed)
   },
   "runs": [                           # one per mode at each (temperature, concurrency) point: for each
                                       # temperature, for each concurrency, every mode in config order.
-                                      # Within a point the modes ran side by side, round-robin: the
-                                      # prompts split into rounds of `concurrency` (the last may be
-                                      # smaller), round 1 of every mode, then round 2, ..., the mode
+                                      # Within a point the modes ran side by side: the prompts split
+                                      # into rounds of `concurrency` (the last may be smaller); in a
+                                      # round every mode's engine steps in turn, one step each, the
                                       # order rotating by one each round across the whole sweep. A run's
                                       # counts and seconds are sums over its rounds.
     {
@@ -37,8 +37,11 @@ results.json schema (stable: fields may be added, never renamed or removed)
       "temperature": float,           # (added) this point's sampling temperature (0: greedy)
       "dataset": str,
       "output_tokens": int,           # generated tokens (the first `num_prompts` prompts)
-      "wall_s": float,                # from queuing the prompts to the last token, prefill included
-                                      # (summed over rounds; engine set-up between rounds excluded)
+      "wall_s": float,                # seconds in this mode's own engine calls, from queuing the
+                                      # prompts to the last token, prefill included (the other modes'
+                                      # steps in between excluded; summed over rounds; engine set-up
+                                      # excluded). Files from before step-by-step turns timed whole
+                                      # rounds, one mode after another.
       "tokens_per_s": float,          # output_tokens / wall_s
       "drafted_tokens": int, "verified_tokens": int, "accepted_tokens": int,
       "steps": int,                   # engine steps (one target forward each)
@@ -248,7 +251,8 @@ def format_table(results: dict) -> str:
 
     text = [render(header), render(["-" * w for w in widths])] + [render(row) for row in lines]
     text.append(
-        "T: temperature (0: greedy). tok/s: output tokens over wall time, prefill included; decode tok/s: "
+        "T: temperature (0: greedy). tok/s: output tokens over the mode's own step time (the modes step in "
+        "turn), prefill included; decode tok/s: "
         "steps without prefill only. x none / x fixed: ratio to that mode at the same temperature and "
         "concurrency. tok/step: tokens per request per step. plan %: planner time over step time."
     )

@@ -1,17 +1,20 @@
 """Run no speculation / fixed-K / adaptive verification side by side over a concurrency sweep.
 
 All modes share ONE set of loaded models. The sweep goes for each temperature, for each concurrency
-(a point), and within a point the modes run side by side, round-robin: the point's prompts are split
-into rounds of `concurrency` prompts (the last may be smaller), and round 1 of every mode runs, then
-round 2 of every mode, and so on, so a slow spell of the machine (its speed drifts by 15-25 % over a
-minute or two) hits every mode alike. The mode order rotates by one every round, and the rotation
-continues across points (none,fixed,adaptive; fixed,adaptive,none; ...), so no mode always goes first.
-Each (mode, round) is a fresh engine with `max_num_seqs = concurrency` whose prompts are all queued at
-once; every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in the
-point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and every
-mode's calibration record) is carried from round to round and point to point across every temperature,
-as in one long-running server; one cost model serves every adaptive engine and keeps refining itself.
-A short untimed warm-up generation per mode (at the first temperature) runs before the sweep.
+(a point), and within a point the modes run side by side at two grains. The point's prompts are split
+into rounds of `concurrency` prompts (the last may be smaller); in a round every mode has its own engine
+with the round's prompts all queued, and the engines take turns STEP BY STEP (one step of each mode
+that still has work, then the next), so a slow spell of the machine (its speed drifts by 15-25 % over
+a minute or two, and identical work measured back to back differs by up to a quarter) hits every mode
+within the same second. A mode's time is the sum of its own engine calls (queuing the prompts and
+every step), never another mode's. The mode order rotates by one every round and the rotation
+continues across points (none,fixed,adaptive; fixed,adaptive,none; ...), so no mode always steps
+first. Every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in
+the point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and
+every mode's calibration record) is carried from round to round and point to point across every
+temperature, as in one long-running server; one cost model serves every adaptive engine and keeps
+refining itself. A short untimed warm-up generation per mode (at the first temperature) runs before
+the sweep.
 """
 
 from __future__ import annotations
@@ -307,38 +310,37 @@ class BenchRunner:
             ignore_eos=self.config.ignore_eos,
         )
 
-    def _generate(
+    def _queue(
         self,
         engine: LLMEngine,
         prompts: Sequence[list[int]],
         max_tokens: int,
         temperature: float,
-        bar: Any = None,
-        first_index: int = 0,
-    ) -> _Counts:
-        """Queue every prompt and step until all are done, timing prefill and decode steps apart.
-
-        `first_index`: the index of `prompts[0]` in its point, which seeds it."""
+        first_index: int,
+    ) -> None:
+        """Queue every prompt; `first_index` is the index of `prompts[0]` in its point, which seeds it."""
         for i, ids in enumerate(prompts, start=first_index):
             engine.add_request(ids, self._params(i, max_tokens, temperature))
-        counts = _Counts()
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed = time.perf_counter() - start
-            counts.request_steps += len(outputs)
-            tokens = sum(len(out.new_token_ids) for out in outputs)
-            # A request's first emission means its prompt was prefilled in this step.
-            if any(len(out.output_token_ids) == len(out.new_token_ids) for out in outputs):
-                counts.prefill_steps += 1
-                counts.prefill_s += elapsed
-            else:
-                counts.decode_tokens += tokens
-                counts.decode_s += elapsed
-            counts.by_length += sum(out.finished and out.finish_reason == "length" for out in outputs)
-            if bar is not None:
-                bar.update(tokens)
-        return counts
+
+    @staticmethod
+    def _step(engine: LLMEngine, counts: _Counts, bar: Any = None) -> float:
+        """One engine step, counted into `counts` (prefill and decode steps timed apart); its seconds."""
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        counts.request_steps += len(outputs)
+        tokens = sum(len(out.new_token_ids) for out in outputs)
+        # A request's first emission means its prompt was prefilled in this step.
+        if any(len(out.output_token_ids) == len(out.new_token_ids) for out in outputs):
+            counts.prefill_steps += 1
+            counts.prefill_s += elapsed
+        else:
+            counts.decode_tokens += tokens
+            counts.decode_s += elapsed
+        counts.by_length += sum(out.finished and out.finish_reason == "length" for out in outputs)
+        if bar is not None:
+            bar.update(tokens)
+        return elapsed
 
     def warm_up(self, prompts: Sequence[list[int]]) -> None:
         """A short untimed generation per mode: lazy allocations and kernel choices happen here."""
@@ -348,7 +350,9 @@ class BenchRunner:
         for mode in self.config.modes:
             engine = self.make_engine(mode, len(shortest))
             try:
-                self._generate(engine, shortest, self.config.warmup_tokens, self.config.temperatures[0])
+                self._queue(engine, shortest, self.config.warmup_tokens, self.config.temperatures[0], 0)
+                while engine.has_unfinished_requests():
+                    self._step(engine, _Counts())
                 # Keep what the estimator learnt; calibration is scored on the timed runs only.
                 self._keep_estimator(mode, engine)
             finally:
@@ -363,28 +367,39 @@ class BenchRunner:
 
     def _run_round(
         self,
-        mode: str,
+        order: Sequence[str],
         concurrency: int,
         prompts: Sequence[list[int]],
         first_index: int,
         temperature: float,
         bar: Any = None,
-    ) -> _Round:
-        """One mode's share of one round, on a fresh engine that continues the mode's estimator."""
-        engine = self.make_engine(mode, concurrency)
-        if engine.calibration is not None:
-            # One record per mode over all its timed rounds, like one long-running server.
-            engine.calibration = self._calibration.setdefault(mode, BenchCalibration())
+    ) -> dict[str, _Round]:
+        """Every mode's share of one round: one fresh engine per mode (continuing the mode's estimator),
+        stepped in turn, one step each, in `order`, until all are done."""
+        engines: dict[str, LLMEngine] = {}
         try:
-            start = time.perf_counter()
-            counts = self._generate(
-                engine, prompts, self.config.max_tokens, temperature, bar, first_index=first_index
-            )
-            wall = time.perf_counter() - start
-            self._keep_estimator(mode, engine)
+            for mode in order:
+                engine = engines[mode] = self.make_engine(mode, concurrency)
+                if engine.calibration is not None:
+                    # One record per mode over all its timed rounds, like one long-running server.
+                    engine.calibration = self._calibration.setdefault(mode, BenchCalibration())
+            counts = {mode: _Counts() for mode in order}
+            seconds = dict.fromkeys(order, 0.0)
+            for mode in order:
+                start = time.perf_counter()
+                self._queue(engines[mode], prompts, self.config.max_tokens, temperature, first_index)
+                seconds[mode] += time.perf_counter() - start
+            live = list(order)
+            while live:
+                for mode in live:
+                    seconds[mode] += self._step(engines[mode], counts[mode], bar)
+                live = [m for m in live if engines[m].has_unfinished_requests()]
+            for mode in order:
+                self._keep_estimator(mode, engines[mode])
         finally:
-            engine.close()
-        return _Round(engine.stats, counts, wall)
+            for engine in engines.values():
+                engine.close()
+        return {mode: _Round(engines[mode].stats, counts[mode], seconds[mode]) for mode in order}
 
     def run_point(
         self,
@@ -393,8 +408,9 @@ class BenchRunner:
         bar: Any = None,
         temperature: float | None = None,
     ) -> list[RunResult]:
-        """Every mode over `prompts`, round-robin in rounds of `concurrency` prompts; one result per mode
-        (in the configured order), each summing its rounds (temperature None: the first configured)."""
+        """Every mode over `prompts` in rounds of `concurrency` prompts, the modes stepping in turn; one
+        result per mode (in the configured order), each summing its rounds (temperature None: the first
+        configured)."""
         if temperature is None:
             temperature = self.config.temperatures[0]
         chunks = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
@@ -402,15 +418,12 @@ class BenchRunner:
         for r, chunk in enumerate(chunks):
             order = self.round_order(self._rounds_run)
             self._rounds_run += 1
+            if bar is not None:
+                bar.set_description(f"  T={temperature:g} c={concurrency} round {r + 1}/{len(chunks)}")
+            self.schedule.extend((float(temperature), concurrency, r, mode) for mode in order)
+            shares = self._run_round(order, concurrency, chunk, r * concurrency, temperature, bar)
             for mode in order:
-                if bar is not None:
-                    bar.set_description(
-                        f"  T={temperature:g} c={concurrency} round {r + 1}/{len(chunks)} {mode}"
-                    )
-                self.schedule.append((float(temperature), concurrency, r, mode))
-                done[mode].append(
-                    self._run_round(mode, concurrency, chunk, r * concurrency, temperature, bar)
-                )
+                done[mode].append(shares[mode])
         return [
             self._result(mode, concurrency, temperature, len(prompts), done[mode])
             for mode in self.config.modes
@@ -460,7 +473,7 @@ class BenchRunner:
         self, prompts: Sequence[list[int]], on_result: Callable[[BenchRun], None] | None = None
     ) -> BenchRun:
         """Warm up, then for each temperature, for each concurrency, run every mode side by side on the
-        first `prompts_for(c)` prompts, round-robin (the same prompts and seeds for every mode).
+        first `prompts_for(c)` prompts, stepping in turn (the same prompts and seeds for every mode).
 
         `on_result` gets the results so far after every point (the CLI saves them as it goes)."""
         cfg = self.config
