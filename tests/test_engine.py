@@ -1,5 +1,6 @@
 """Engine behaviour on toy models: batching, stopping, KV rollback, and clear errors for bad input."""
 
+import numpy as np
 import pytest
 import torch
 from exact import VOCAB, toy_pair
@@ -273,3 +274,37 @@ def test_greedy_and_sampled_requests_train_their_own_estimators(tmp_path) -> Non
     older.load_estimator_state(str(old))
     assert older.estimator.n_observed_ == engine.estimator.n_observed_
     assert older.greedy_estimator.n_observed_ == 0
+
+
+def test_trace_flags_one_token_drafts_and_replaying_it_reproduces_the_engine(tmp_path) -> None:
+    from specverify.calibration import calibration_report
+    from specverify.trace import read_trace
+
+    target_fn, draft_fn = toy_pair()
+    path = tmp_path / "trace.jsonl"
+    engine = LLMEngine(
+        ToyRunner(VOCAB, target_fn),
+        ToyTokenizer(VOCAB, None),
+        EngineConfig(
+            max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=3), record_trace=str(path)
+        ),
+        draft=ToyRunner(VOCAB, draft_fn),
+    )
+    for i in range(8):
+        engine.add_request(
+            [i % VOCAB, 1], SamplingParams(temperature=1.0, top_p=0.7, max_tokens=12, seed=i, ignore_eos=True)
+        )
+    run_all(engine)
+    engine.close()
+    trace = read_trace(path)
+    one = trace["features"]["one_token"]
+    assert set(np.unique(one)) == {0.0, 1.0}  # both kinds of draft occurred
+    # Top-p alone: one token is kept exactly where the untruncated q_max reaches top_p.
+    assert np.array_equal(one == 1.0, trace["features"]["qmax"] >= 0.7)
+    # The engine trained on logit(q_max) + the shift: replaying that feature from the trace gives back
+    # the engine's own predictions, which plain logit(q_max) does not.
+    report = calibration_report(trace)
+    lab = trace["labelled"]
+    engine_pred = trace["prediction"][lab]
+    np.testing.assert_allclose(report["predictions"]["online"], engine_pred, atol=1e-9)
+    assert not np.allclose(report["predictions"]["no_bonus"], engine_pred, atol=1e-3)

@@ -161,3 +161,32 @@ def test_scratch_reuses_the_buffer_and_gives_the_same_answer():
     got = logit_qmax(buf, scratch=True)
     assert torch.allclose(got, expected, atol=1e-5)
     assert not torch.equal(buf, logits)  # it was used as working memory
+
+
+def test_keeps_one_token_matches_the_sampling_distribution_and_the_top_p_rule():
+    from specverify import sampler
+    from specverify.features import SINGLE_TOKEN_BONUS, acceptance_feature, keeps_one_token
+    from specverify.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(11)
+    logits = torch.tensor(rng.normal(0, 3.0, size=(40, 50)), dtype=torch.float32)
+    logits[::3, 7] += 12  # peaked rows: top-p keeps their top token alone
+    for top_p, top_k, t in [(0.95, 0, 1.0), (0.8, 0, 0.7), (1.0, 1, 1.0), (0.9, 5, 1.0), (0.95, 0, 0.0)]:
+        params = [SamplingParams(temperature=t, top_p=top_p, top_k=top_k)] * logits.shape[0]
+        q = sampler.probabilities(logits, params)
+        one = keeps_one_token(q).numpy()
+        assert np.array_equal(one, (q > 0).sum(dim=1).numpy() == 1)
+        if t == 0.0 or top_k == 1:
+            assert one.all()  # greedy drafts and top-k 1 are one-hot
+        elif top_k == 0:
+            # Without top-k: the runner-up survives top-p iff q_max < top_p (float64 from the logits).
+            z = logits.double().numpy() / t
+            p = np.exp(z - z.max(1, keepdims=True))
+            qmax = 1.0 / p.sum(1)
+            assert np.array_equal(one, qmax >= top_p)
+            assert one.any() and not one.all()
+    x = np.array([[1.5, -0.5], [3.0, np.nan]])
+    got = acceptance_feature(x, np.array([[True, False], [True, False]]))
+    np.testing.assert_array_equal(got[0], [1.5 + SINGLE_TOKEN_BONUS, -0.5])
+    assert got[1, 0] == 3.0 + SINGLE_TOKEN_BONUS and np.isnan(got[1, 1])
+    np.testing.assert_array_equal(acceptance_feature(x[0], [1, 1], bonus=0.0), x[0])

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from specverify.estimator import AcceptanceEstimator, PerPositionEstimator
+from specverify.features import SINGLE_TOKEN_BONUS, TRUNC_CLAMP, acceptance_feature
 
 DEFAULT_BINS = 15
 
@@ -244,6 +245,23 @@ _FEATURE_VARIANTS = (
 )
 
 
+def _engine_feature(feats: Mapping[str, np.ndarray]) -> tuple[np.ndarray, str]:
+    """The engine's estimator input rebuilt from a trace's features, and how to call it.
+
+    Traces record the one-token flag ("one_token"); older ones only hold the truncated log-odds, which
+    hit their clamp where one token is kept (and, rarely, for a non-one-hot row that peaked)."""
+    x = feats["logit_qmax"]
+    if "one_token" in feats:
+        one = np.nan_to_num(feats["one_token"]) > 0
+        return acceptance_feature(x, one), f"logit(q_max) + {SINGLE_TOKEN_BONUS:g} if one token kept"
+    if "logit_qmax_trunc" in feats:
+        one = feats["logit_qmax_trunc"] >= TRUNC_CLAMP
+        return acceptance_feature(x, one), (
+            f"logit(q_max) + {SINGLE_TOKEN_BONUS:g} if one token kept (flag from the truncated feature)"
+        )
+    return x, "logit(q_max)"
+
+
 def _by_position(pred: np.ndarray, label: np.ndarray, pos: np.ndarray, k: int, bins: int) -> list[dict]:
     return [scores(pred[pos == j], label[pos == j], bins) for j in range(k)]
 
@@ -294,16 +312,21 @@ def calibration_report(
     if np.isfinite(prediction).any():
         methods["engine"] = ("the engine's own online predictions, as recorded", prediction)
     if "logit_qmax" in feats and k:
-        x = feats["logit_qmax"]
-        methods["online"] = ("online K+1 logistic on logit(q_max), prequential", online(x, shared))
+        x, name = _engine_feature(feats)
+        methods["online"] = (f"online K+1 logistic on {name}, prequential", online(x, shared))
         heldout = heldout_predictions(
             x, pos, y, req, shared, steps=steps, trains=trains, folds=folds, seed=seed
         )
-        methods["heldout"] = (f"K+1 logistic on logit(q_max), {folds}-fold held-out requests", heldout)
+        methods["heldout"] = (f"K+1 logistic on {name}, {folds}-fold held-out requests", heldout)
         methods["per_position"] = (
-            "online 2K (slope per position) on logit(q_max), prequential",
+            f"online 2K (slope per position) on {name}, prequential",
             online(x, per_position),
         )
+        if name != "logit(q_max)":
+            methods["no_bonus"] = (
+                "online K+1 on logit(q_max) without the one-token shift, prequential",
+                online(feats["logit_qmax"], shared),
+            )
     for name, source, transform, description in _FEATURE_VARIANTS:
         if source in feats and k:
             methods[name] = (description + ", prequential", online(transform(feats[source]), shared))

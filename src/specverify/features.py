@@ -3,7 +3,9 @@
 Every feature here is a function of the draft *distribution* only, never of the token drawn from it: a
 verification decision that looked at the drawn token would break lossless rejection sampling (DESIGN §5).
 
-The main feature is `logit(q_max)`, the log-odds of the most probable token of `softmax(logits / T)`.
+The main feature is `logit(q_max)`, the log-odds of the most probable token of `softmax(logits / T)`;
+the estimator reads it plus a fixed shift where the distribution the draft token is drawn from (after
+top-k / top-p) keeps one token only (`acceptance_feature`).
 It is computed as `-log(sum_{j != argmax} exp(l_j - l_max))`, which equals `l_max - logsumexp(others)`
 and never forms `1 - q_max` (that cancels to 0 in float32 once q_max > 1 - 6e-8).
 
@@ -28,6 +30,13 @@ DEFAULT_CLAMP = 20.0
 # After top-p/top-k truncation about half of the rows are one-hot (q_max = 1, log-odds +inf): an online
 # Newton fit with the clamp at 40 ran its slope to 1e7; near 10 the batch fit was well behaved.
 TRUNC_CLAMP = 10.0
+# Where top-k / top-p leave the draft one token (about 70 % of drafts at top-p 0.95 on the default pair)
+# the drafted token is certain, and acceptance jumps above the logistic on logit(q_max) alone: measured on
+# 24,131 labels (HumanEval + MT-Bench, T=1, top-p 0.95), the K + 1 fit's prequential ECE fell from 0.0121
+# to 0.0075 / 0.0048 / 0.0043 / 0.0053 with a shift of 1 / 2 / 3 / 4 nats, and AUC stayed within 0.001
+# of raw q_max up to 3 (the shift is monotone in q_max for a fixed top-p); 2 is the middle of the flat
+# part. Greedy drafts always keep one token: for them it is a constant that the intercepts absorb.
+SINGLE_TOKEN_BONUS = 2.0
 # Rows first look for their top-p set among this many top tokens (then 32x more, then estimate).
 TOPK_BOUND = 64
 
@@ -251,3 +260,19 @@ def all_features(
         "qmax": 1.0 / s.total,
     }
     return {name: _output(v, lead, is_numpy) for name, v in values.items()}
+
+
+def keeps_one_token(probs: torch.Tensor) -> torch.Tensor:
+    """Rows of sampling distributions (after temperature, top-k, top-p; greedy rows one-hot) that put all
+    their mass on one token. A single kept token renormalises to exactly 1.0."""
+    return probs.amax(dim=-1) >= 1.0
+
+
+def acceptance_feature(
+    logit_qmax: ArrayLike, one_token: ArrayLike, bonus: float = SINGLE_TOKEN_BONUS
+) -> np.ndarray:
+    """The estimator's input: logit(q_max) before truncation, plus `bonus` where the draft distribution
+    the token is drawn from keeps one token (`keeps_one_token`). NaN (an undrafted slot) stays NaN."""
+    x = np.asarray(logit_qmax.cpu() if isinstance(logit_qmax, torch.Tensor) else logit_qmax, np.float64)
+    one = np.asarray(one_token.cpu() if isinstance(one_token, torch.Tensor) else one_token, np.float64)
+    return x + float(bonus) * one

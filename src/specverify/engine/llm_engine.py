@@ -447,10 +447,10 @@ class LLMEngine:
             draft_tokens[idx, k] = tokens
             draft_probs[idx, k] = q
             drafted[active] += 1
-            features[active, k], raw_qmax[active, k] = self._slot_features(logits, params)
+            features[active, k], raw_qmax[active, k], one_token = self._slot_features(logits, params, q)
             if self.trace is not None:
                 trace_features = self._trace_features(
-                    trace_features, logits, params, active, k, r_count, depth
+                    trace_features, logits, params, one_token, active, k, r_count, depth
                 )
             if self.planner is not None:
                 # Only distributions up to slot k (and so tokens before k) decide whether to draft k + 1.
@@ -516,20 +516,26 @@ class LLMEngine:
         return new_tokens
 
     def _slot_features(
-        self, logits: torch.Tensor, params: list[SamplingParams]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """logit(q_max) of the draft distribution at the request's temperature (greedy: 1), before top-p.
+        self, logits: torch.Tensor, params: list[SamplingParams], q: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(estimator feature, raw q_max, keeps one token) per row of one draft slot.
 
-        It looks at the draft *distribution* only, never at the token drawn from it (losslessness, §5).
+        The feature is logit(q_max) of the draft model at the request's temperature (greedy: 1) before
+        top-p, shifted where `q`, the distribution the draft token is drawn from, keeps one token
+        (features.acceptance_feature). It looks at distributions only, never at the token drawn from
+        them (losslessness, §5).
         """
-        from specverify.features import logit_qmax
+        from specverify.features import acceptance_feature, keeps_one_token, logit_qmax
 
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
         x = logit_qmax(logits.float() / temps[:, None], temperature=1.0, scratch=True)
         x = x.double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
-        return x, 1.0 / (1.0 + np.exp(-x))
+        one_token = keeps_one_token(q).numpy()
+        return acceptance_feature(x, one_token), 1.0 / (1.0 + np.exp(-x)), one_token
 
-    def _trace_features(self, acc, logits, params, active, k, r_count, depth) -> dict[str, np.ndarray]:
+    def _trace_features(
+        self, acc, logits, params, one_token, active, k, r_count, depth
+    ) -> dict[str, np.ndarray]:
         from specverify.features import all_features
 
         values = all_features(
@@ -538,10 +544,14 @@ class LLMEngine:
             top_p=[p.top_p for p in params],
             top_k=[p.top_k for p in params],
         )
+        values = {
+            name: v.double().numpy() if isinstance(v, torch.Tensor) else v for name, v in values.items()
+        }
+        values["one_token"] = one_token.astype(np.float64)
         if acc is None:
             acc = {name: np.full((r_count, depth), np.nan) for name in values}
         for name, v in values.items():
-            acc[name][active, k] = v.double().numpy() if isinstance(v, torch.Tensor) else v
+            acc[name][active, k] = v
         return acc
 
     def _admit(self, survival: np.ndarray, drafted: np.ndarray) -> np.ndarray:
