@@ -1,5 +1,7 @@
 """Engine behaviour on toy models: batching, stopping, KV rollback, and clear errors for bad input."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -265,13 +267,16 @@ def test_greedy_and_sampled_requests_train_their_own_estimators(tmp_path) -> Non
     path = tmp_path / "state.json"
     engine.save_estimator_state(str(path))
     fresh, *_ = make_engine(k=3)
-    fresh.load_estimator_state(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same feature: loads silently
+        fresh.load_estimator_state(str(path))
     assert fresh.estimator.coef_[0] == engine.estimator.coef_[0]
     assert fresh.greedy_estimator.n_observed_ == engine.greedy_estimator.n_observed_
     old = tmp_path / "old.json"
     old.write_text(json.dumps(engine.estimator.state_dict()))
     older, *_ = make_engine(k=3)
-    older.load_estimator_state(str(old))
+    with pytest.warns(UserWarning, match="fitted on the feature 'logit_qmax'"):
+        older.load_estimator_state(str(old))
     assert older.estimator.n_observed_ == engine.estimator.n_observed_
     assert older.greedy_estimator.n_observed_ == 0
 

@@ -37,6 +37,8 @@ TRUNC_CLAMP = 10.0
 # of raw q_max up to 3 (the shift is monotone in q_max for a fixed top-p); 2 is the middle of the flat
 # part. Greedy drafts always keep one token: for them it is a constant that the intercepts absorb.
 SINGLE_TOKEN_BONUS = 2.0
+# Names the estimator's input in saved estimator states, so a state fitted on another feature is noticed.
+ACCEPTANCE_FEATURE_ID = f"logit_qmax+{SINGLE_TOKEN_BONUS:g}*one_token"
 # Rows first look for their top-p set among this many top tokens (then 32x more, then estimate).
 TOPK_BOUND = 64
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from specverify import sampler
 from specverify.config import ConfigError, EngineConfig
 from specverify.engine.scheduler import Scheduler
 from specverify.engine.sequence import Request, RequestOutput
+from specverify.features import ACCEPTANCE_FEATURE_ID
 from specverify.models.base import ModelRunner
 from specverify.sampling_params import SamplingParams
 
@@ -172,18 +174,28 @@ class LLMEngine:
             return self.estimator.state_dict()
         return {
             "kind": "SpeculationEstimators",
+            "feature": ACCEPTANCE_FEATURE_ID,
             "sampled": self.estimator.state_dict(),
             "greedy": self.greedy_estimator.state_dict(),
         }
 
     def load_estimator_dict(self, state: dict) -> None:
         """Warm start from `estimator_state()`; a single estimator's state (older files) warms the
-        sampled-request estimator only."""
+        sampled-request estimator only. A state fitted on another feature still loads (it is close, and
+        the fit follows new labels within its half-life) but says so."""
         if isinstance(state, dict) and state.get("kind") == "SpeculationEstimators":
             self.estimator.load_state_dict(state["sampled"])
             self.greedy_estimator.load_state_dict(state["greedy"])
+            feature = state.get("feature", "logit_qmax")
         else:
             self.estimator.load_state_dict(state)
+            feature = "logit_qmax"
+        if feature != ACCEPTANCE_FEATURE_ID:
+            warnings.warn(
+                f"the estimator state was fitted on the feature {feature!r}, this engine uses "
+                f"{ACCEPTANCE_FEATURE_ID!r}: its predictions are off until it has re-fitted on new labels",
+                stacklevel=2,
+            )
 
     def load_estimator_state(self, path: str) -> None:
         import json
