@@ -595,6 +595,17 @@ def test_a_run_sums_its_rounds(round_robin_bench) -> None:
             assert run["request_steps"] == run["output_tokens"]  # one token per request-step
         else:
             assert run["drafted_tokens"] > max(s.drafted_tokens for s in stats)  # every round drafted
+        if run["mode"] != "adaptive":
+            assert run["plan_check"] is None
+        else:
+            checks = run["plan_check"]
+            for kind in ("speculative", "plain"):
+                for key in ("steps", "predicted_seconds", "measured_seconds", "expected_tokens", "tokens"):
+                    want = sum(getattr(s.plan_check[kind], key) for s in stats)
+                    assert checks[kind][key] == pytest.approx(want), (kind, key)
+            # Only the planner's own choices count: never more steps or seconds than the run had.
+            assert sum(c["steps"] for c in checks.values()) <= run["steps"]
+            assert sum(c["measured_seconds"] for c in checks.values()) <= run["step_s"] + 1e-9
 
 
 def test_estimators_and_calibration_carry_across_rounds(round_robin_bench) -> None:

@@ -313,3 +313,45 @@ def test_trace_flags_one_token_drafts_and_replaying_it_reproduces_the_engine(tmp
     engine_pred = trace["prediction"][lab]
     np.testing.assert_allclose(report["predictions"]["online"], engine_pred, atol=1e-9)
     assert not np.allclose(report["predictions"]["no_bonus"], engine_pred, atol=1e-3)
+
+
+def test_plan_check_adds_up_the_planners_predictions_against_the_measured_steps(monkeypatch) -> None:
+    import specverify.engine.llm_engine as engine_module
+    from specverify.cost_model import CostModel
+
+    monkeypatch.setattr(engine_module, "_WARMUP_LABELS", 0)  # every step is the planner's own choice
+    monkeypatch.setattr(engine_module, "_PROBE_MIN_STREAK", 10**9)
+    tokens = np.array([1.0, 8.0, 64.0])
+    # Verification nearly free, drafts cheap: the planner speculates, plainly decoding only at the end.
+    cost = CostModel(tokens, 1.0 + 0.001 * tokens, tokens, 0.01 + 0.0001 * tokens)
+    target_fn, draft_fn = toy_pair()
+    engine = LLMEngine(
+        ToyRunner(VOCAB, target_fn),
+        ToyTokenizer(VOCAB, None),
+        EngineConfig(
+            max_num_seqs=4,
+            speculative=SpeculativeConfig(num_speculative_tokens=3, enable_adaptive_verification=True),
+        ),
+        draft=ToyRunner(VOCAB, draft_fn),
+        cost_model=cost,
+    )
+    for i in range(4):
+        engine.add_request([i % VOCAB, 2], SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True))
+    want = {kind: engine_module.PlanCheck() for kind in ("speculative", "plain")}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        check = want["speculative" if engine.stats.last_draft_depth else "plain"]
+        check.steps += 1
+        check.predicted_seconds += engine.planner.expected_seconds
+        check.measured_seconds += engine.stats.last_step_seconds
+        check.expected_tokens += engine.planner.expected_tokens
+        check.tokens += sum(len(out.new_token_ids) for out in outputs)
+    got = engine.stats.plan_check
+    assert got["speculative"].steps > 0
+    assert sum(c.steps for c in got.values()) == engine.stats.steps
+    for kind in want:
+        for name in ("steps", "tokens"):
+            assert getattr(got[kind], name) == getattr(want[kind], name)
+        for name in ("predicted_seconds", "measured_seconds", "expected_tokens"):
+            assert getattr(got[kind], name) == pytest.approx(getattr(want[kind], name))
+    assert got["speculative"].tokens + got["plain"].tokens == engine.stats.output_tokens

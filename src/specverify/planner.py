@@ -67,8 +67,8 @@ class AdaptivePlanner:
     forward -> `end_step(s, num_verified)`.
 
     Last decisions, for metrics: `depth`, `threshold`, `budget` (slots admitted by the last `admit`),
-    `planned_budget` (expected admitted slots when the depth was chosen), `expected_tokens` and
-    `expected_rate` (tokens per second of the chosen plan), `value_of_time` (tokens per second of the
+    `planned_budget` (expected admitted slots when the depth was chosen), `expected_tokens`,
+    `expected_seconds` and `expected_rate` (tokens per second of the chosen plan), `value_of_time` (tokens per second of the
     best steady plan: what a second of drafting or verifying must buy).
     """
 
@@ -104,6 +104,7 @@ class AdaptivePlanner:
         self.budget = 0
         self.expected_tokens = 0.0
         self.expected_rate = 0.0
+        self.expected_seconds = 0.0  # predicted time of the chosen plan's step (prefill included)
         self.num_requests = 0
         self.context_tokens = 0
 
@@ -237,6 +238,7 @@ class AdaptivePlanner:
         self.expected_p = self._clean_expected(expected_p)
         if r_count <= 0:
             self.depth, self.planned_budget, self.expected_tokens, self.expected_rate = 0, 0.0, 0.0, 0.0
+            self.expected_seconds = 0.0
             return 0
         depths = np.arange(self.k + 1)
         pooled = self._pooled(self.expected_p)
@@ -264,6 +266,7 @@ class AdaptivePlanner:
         self.depth = best
         self.expected_tokens = float(tokens[best])
         self.expected_rate = float(tokens[best] / seconds[best])
+        self.expected_seconds = float(seconds[best])
         self.planned_budget = float(budget[best])
         if best > 0:
             self.threshold = float(thresholds[best])

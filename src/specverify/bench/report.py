@@ -51,6 +51,11 @@ results.json schema (stable: fields may be added, never renamed or removed)
                                       # concurrency); absent in older files (each mode ran
                                       # all its prompts in one go, modes one after another)
       "request_steps": int,           # sum over steps of requests advanced
+      "plan_check": {...} | null,     # (added; adaptive only) per "speculative" / "plain": the steps
+                                      # the planner chose (warm-up and probes excluded) and its
+                                      # predicted vs measured seconds and tokens: {"steps",
+                                      # "predicted_seconds", "measured_seconds", "expected_tokens",
+                                      # "tokens"}
       "mean_tokens_per_step": float,  # output_tokens / request_steps: tokens per request per step
       "verified_over_drafted": float | null,
       "acceptance_rate": float | null,            # accepted / verified

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from specverify.calibration import RollingCalibration, scores
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
-from specverify.engine.llm_engine import EngineStats, LLMEngine
+from specverify.engine.llm_engine import EngineStats, LLMEngine, PlanCheck
 from specverify.sampling_params import SamplingParams
 
 MODES = ("none", "fixed", "adaptive")
@@ -138,6 +138,9 @@ class RunResult:
     decode_s: float = 0.0
     decode_tokens_per_s: float | None = None
     rounds: int = 1  # rounds of `concurrency` prompts this run's figures sum
+    # Adaptive only: the planner's predicted vs measured seconds and tokens of the steps it chose,
+    # {"speculative" | "plain": {steps, predicted_seconds, measured_seconds, expected_tokens, tokens}}.
+    plan_check: dict[str, dict[str, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,6 +172,14 @@ def _sum_positions(lists: Sequence[Sequence[int]]) -> list[int]:
         for k, n in enumerate(counts):
             total[k] += int(n)
     return total
+
+
+def _sum_plan_checks(stats: Sequence[EngineStats]) -> dict[str, dict[str, float]]:
+    total = {kind: PlanCheck() for kind in ("speculative", "plain")}
+    for st in stats:
+        for kind, check in st.plan_check.items():
+            total[kind].add(check)
+    return {kind: asdict(check) for kind, check in total.items()}
 
 
 @dataclass
@@ -467,6 +478,7 @@ class BenchRunner:
             decode_s=decode_s,
             decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
             rounds=len(rounds),
+            plan_check=_sum_plan_checks([r.stats for r in rounds]) if mode == "adaptive" else None,
         )
 
     def run(

@@ -56,6 +56,21 @@ class StepTiming:
 
 
 @dataclass
+class PlanCheck:
+    """The planner's predictions for the steps it chose against what those steps measured."""
+
+    steps: int = 0
+    predicted_seconds: float = 0.0
+    measured_seconds: float = 0.0
+    expected_tokens: float = 0.0
+    tokens: int = 0
+
+    def add(self, other: PlanCheck) -> None:
+        for name in ("steps", "predicted_seconds", "measured_seconds", "expected_tokens", "tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
 class EngineStats:
     """Cumulative counters (the server exports them; the benchmark reads them)."""
 
@@ -73,6 +88,11 @@ class EngineStats:
     last_batch_size: int = 0
     last_draft_depth: int = 0
     last_verify_budget: int = 0
+    # Adaptive steps the planner chose (warm-up and probes excluded), speculative and plain apart: do its
+    # predicted seconds and tokens match the measured ones?
+    plan_check: dict[str, PlanCheck] = field(
+        default_factory=lambda: {"speculative": PlanCheck(), "plain": PlanCheck()}
+    )
 
     def count_slots(self, drafted: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         self.drafted_tokens += int(drafted.sum())
@@ -312,6 +332,13 @@ class LLMEngine:
         stats.last_step_seconds = elapsed
         stats.last_batch_size = len(running)
         stats.last_draft_depth = depth
+        if self.planner is not None and not self._probing:
+            check = stats.plan_check["speculative" if depth else "plain"]
+            check.steps += 1
+            check.predicted_seconds += self.planner.expected_seconds
+            check.measured_seconds += elapsed
+            check.expected_tokens += self.planner.expected_tokens
+            check.tokens += sum(map(len, new_tokens))
         return outputs
 
     def _draft_depth(self, running: list[Request], greedy: np.ndarray) -> int:
