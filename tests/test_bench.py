@@ -494,16 +494,26 @@ def round_robin_bench(tmp_path_factory) -> tuple[dict, list, BenchRunner]:
     return results, engines, keep["runner"]
 
 
-def _rotated(modes: list[str], n: int) -> list[str]:
-    return modes[n % len(modes) :] + modes[: n % len(modes)]
+def _order(modes: list[str], n: int) -> list[str]:
+    # Written out for three modes: forward, reverse, each pair of rounds rotated by one more.
+    table = [
+        ["none", "fixed", "adaptive"],
+        ["adaptive", "fixed", "none"],
+        ["fixed", "adaptive", "none"],
+        ["fixed", "none", "adaptive"],
+        ["adaptive", "none", "fixed"],
+        ["none", "adaptive", "fixed"],
+    ]
+    assert modes == table[0]
+    return table[n % 6]
 
 
-def test_modes_take_turns_round_by_round_in_a_rotating_order(round_robin_bench) -> None:
+def test_modes_take_turns_round_by_round_in_a_changing_order(round_robin_bench) -> None:
     results, engines, runner = round_robin_bench
     modes = ["none", "fixed", "adaptive"]
     # The rotation continues across points: the c=2 point's rounds are the sweep's 4th and 5th.
-    expected = [(1.0, 1, r, m) for r in range(3) for m in _rotated(modes, r)] + [
-        (1.0, 2, r, m) for r in range(2) for m in _rotated(modes, 3 + r)
+    expected = [(1.0, 1, r, m) for r in range(3) for m in _order(modes, r)] + [
+        (1.0, 2, r, m) for r in range(2) for m in _order(modes, 3 + r)
     ]
     assert runner.schedule == expected
     timed = engines[len(modes) :]  # after one warm-up engine per mode
@@ -521,6 +531,19 @@ def test_modes_take_turns_round_by_round_in_a_rotating_order(round_robin_bench) 
     assert [(r["concurrency"], r["mode"], r["rounds"]) for r in results["runs"]] == [
         (c, m, n) for c, n in ((1, 3), (2, 2)) for m in modes
     ]
+
+
+def test_round_order_balances_who_steps_first_and_right_after_whom(round_robin_bench) -> None:
+    from collections import Counter
+
+    runner = round_robin_bench[2]
+    orders = [runner.round_order(n) for n in range(6)]
+    assert set(Counter(o[0] for o in orders).values()) == {2}  # each mode first twice in six rounds
+    for n in range(0, 6, 2):
+        # Steps go round in a cycle (o[-1] precedes o[0] on the next turn): over each pair of rounds,
+        # every mode comes right after each other mode exactly once.
+        follows = Counter((o[i - 1], o[i]) for o in orders[n : n + 2] for i in range(3))
+        assert len(follows) == 6 and set(follows.values()) == {1}
 
 
 def test_within_a_round_the_modes_step_in_turn_and_each_is_timed_alone(tmp_path: Path) -> None:

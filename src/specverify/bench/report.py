@@ -29,7 +29,8 @@ results.json schema (stable: fields may be added, never renamed or removed)
                                       # Within a point the modes ran side by side: the prompts split
                                       # into rounds of `concurrency` (the last may be smaller); in a
                                       # round every mode's engine steps in turn, one step each, the
-                                      # order rotating by one each round across the whole sweep. A run's
+                                      # order changing each round across the whole sweep (forward and
+                                      # reverse, rotated; BenchRunner.round_order). A run's
                                       # counts and seconds are sums over its rounds.
     {
       "mode": "none" | "fixed" | "adaptive",

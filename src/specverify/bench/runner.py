@@ -7,9 +7,9 @@ with the round's prompts all queued, and the engines take turns STEP BY STEP (on
 that still has work, then the next), so a slow spell of the machine (its speed drifts by 15-25 % over
 a minute or two, and identical work measured back to back differs by up to a quarter) hits every mode
 within the same second. A mode's time is the sum of its own engine calls (queuing the prompts and
-every step), never another mode's. The mode order rotates by one every round and the rotation
-continues across points (none,fixed,adaptive; fixed,adaptive,none; ...), so no mode always steps
-first. Every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in
+every step), never another mode's. The mode order changes every round and continues across points
+(none,fixed,adaptive; adaptive,fixed,none; fixed,adaptive,none; fixed,none,adaptive; ...; see
+`round_order`), so no mode always steps first or always right after the same other mode. Every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in
 the point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and
 every mode's calibration record) is carried from round to round and point to point across every
 temperature, as in one long-running server; one cost model serves every adaptive engine and keeps
@@ -269,7 +269,7 @@ class BenchRunner:
             raise ConfigError("modes 'fixed' and 'adaptive' need a draft model")
         self._estimator_state: dict[str, dict] = {}
         self._calibration: dict[str, BenchCalibration] = {}
-        self._rounds_run = 0  # rounds so far over the whole sweep: the mode order rotates with it
+        self._rounds_run = 0  # rounds so far over the whole sweep: the mode order changes with it
         # Every timed (temperature, concurrency, round index within the point, mode), in the order run.
         self.schedule: list[tuple[float, int, int, str]] = []
 
@@ -370,10 +370,16 @@ class BenchRunner:
                 engine.close()
 
     def round_order(self, round_number: int) -> list[str]:
-        """The modes in the order they run in the sweep's `round_number`-th round (0-based), rotated by
-        one each round."""
+        """The modes in the order they step in the sweep's `round_number`-th round (0-based).
+
+        Even rounds step in the configured order, odd ones in reverse, and each pair of rounds is
+        rotated by one more than the last: every mode steps first equally often, and, as steps go round
+        in a cycle, every mode follows each other mode equally often (a step can run slower after a
+        particular mode's step; a fixed cycle would always charge that to the same mode)."""
         modes = list(self.config.modes)
-        shift = round_number % len(modes)
+        if round_number % 2:
+            modes.reverse()
+        shift = (round_number // 2) % len(modes)
         return modes[shift:] + modes[:shift]
 
     def _run_round(
