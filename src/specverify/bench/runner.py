@@ -1,20 +1,25 @@
 """Run no speculation / fixed-K / adaptive verification side by side over a concurrency sweep.
 
-All modes share ONE set of loaded models. The sweep goes for each temperature, for each concurrency
-(a point), and within a point the modes run side by side at two grains. The point's prompts are split
-into rounds of `concurrency` prompts (the last may be smaller); in a round every mode has its own engine
-with the round's prompts all queued, and the engines take turns STEP BY STEP (one step of each mode
-that still has work, then the next), so a slow spell of the machine (its speed drifts by 15-25 % over
-a minute or two, and identical work measured back to back differs by up to a quarter) hits every mode
-within the same second. A mode's time is the sum of its own engine calls (queuing the prompts and
-every step), never another mode's. The mode order changes every round and continues across points
+All modes share ONE set of loaded models. The sweep goes for each temperature, for each concurrency (a
+point), and within a point the modes run side by side at two grains. The point's prompts are split into
+rounds of `concurrency` prompts (the last may be smaller); in a round every mode has its own engine with
+the round's prompts all queued, and the engines take turns STEP BY STEP (one step of each mode that
+still has work, then the next), so a slow spell of the machine (its speed drifts by 15-25 % over a
+minute or two, and identical work measured back to back differs by up to a quarter) hits every mode
+within the same second. A mode's time is the sum of its own engine calls (queuing the prompts and every
+step), never another mode's. The mode order changes every round and continues across points
 (none,fixed,adaptive; adaptive,fixed,none; fixed,adaptive,none; fixed,none,adaptive; ...; see
-`round_order`), so no mode always steps first or always right after the same other mode. Every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in
-the point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and
-every mode's calibration record) is carried from round to round and point to point across every
-temperature, as in one long-running server; one cost model serves every adaptive engine and keeps
-refining itself. A short untimed warm-up generation per mode (at the first temperature) runs before
-the sweep.
+`round_order`), so no mode always steps first or always right after the same other mode.
+
+Every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in the
+point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and every
+mode's calibration record) is carried from round to round and point to point across every temperature,
+as in one long-running server; one cost model serves every adaptive engine and keeps refining itself. A
+short untimed warm-up generation per mode (at the first temperature) runs before the sweep.
+
+What stepping in turn cannot pair is a single long step: a prefill of many prompts takes seconds, and
+the machine's speed changes within them, so prefill-heavy points (short outputs, high concurrency) stay
+noisier than their decode steps.
 """
 
 from __future__ import annotations
