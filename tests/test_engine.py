@@ -13,16 +13,27 @@ from specverify.models.toy import ToyRunner, ToyTokenizer
 from specverify.sampling_params import SamplingParams
 
 
-def make_engine(k: int | None = 3, max_num_seqs: int = 8, eos: int | None = None, max_model_len: int = 4096):
+def make_engine(
+    k: int | None = 3,
+    max_num_seqs: int = 8,
+    eos: int | None = None,
+    max_model_len: int = 4096,
+    *,
+    cost_model=None,
+    record_trace: str | None = None,
+):
+    """An engine over the toy pair; with `cost_model`, adaptive verification on."""
     target_fn, draft_fn = toy_pair()
     target = ToyRunner(VOCAB, target_fn, max_model_len=max_model_len)
     draft = ToyRunner(VOCAB, draft_fn, max_model_len=max_model_len)
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    adaptive = cost_model is not None
+    spec = SpeculativeConfig(num_speculative_tokens=k, enable_adaptive_verification=adaptive) if k else None
     engine = LLMEngine(
         target,
         ToyTokenizer(VOCAB, eos),
-        EngineConfig(max_num_seqs=max_num_seqs, speculative=spec),
+        EngineConfig(max_num_seqs=max_num_seqs, speculative=spec, record_trace=record_trace),
         draft=draft,
+        cost_model=cost_model,
     )
     return engine, target, draft
 
@@ -203,17 +214,7 @@ def test_probes_draft_for_a_few_requests_and_only_where_speculation_could_pay(mo
     monkeypatch.setattr(engine_module, "_EXPLORATION_SHARE", 1e9)  # time is no object here
     tokens = np.array([1.0, 8.0, 64.0])
     cost = CostModel(tokens, 1.0 + tokens, tokens, 0.1 + tokens)  # speculation never chosen on merit
-    target_fn, draft_fn = toy_pair()
-    engine = LLMEngine(
-        ToyRunner(VOCAB, target_fn),
-        ToyTokenizer(VOCAB, None),
-        EngineConfig(
-            max_num_seqs=8,
-            speculative=SpeculativeConfig(num_speculative_tokens=3, enable_adaptive_verification=True),
-        ),
-        draft=ToyRunner(VOCAB, draft_fn),
-        cost_model=cost,
-    )
+    engine, *_ = make_engine(k=3, max_num_seqs=8, cost_model=cost)
     monkeypatch.setattr(engine.planner, "could_pay", lambda *args, **kwargs: pays)
     for i in range(8):
         engine.add_request([i % VOCAB, 2, 3], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))
@@ -285,16 +286,8 @@ def test_trace_flags_one_token_drafts_and_replaying_it_reproduces_the_engine(tmp
     from specverify.calibration import calibration_report
     from specverify.trace import read_trace
 
-    target_fn, draft_fn = toy_pair()
     path = tmp_path / "trace.jsonl"
-    engine = LLMEngine(
-        ToyRunner(VOCAB, target_fn),
-        ToyTokenizer(VOCAB, None),
-        EngineConfig(
-            max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=3), record_trace=str(path)
-        ),
-        draft=ToyRunner(VOCAB, draft_fn),
-    )
+    engine, *_ = make_engine(k=3, max_num_seqs=4, record_trace=str(path))
     for i in range(8):
         engine.add_request(
             [i % VOCAB, 1], SamplingParams(temperature=1.0, top_p=0.7, max_tokens=12, seed=i, ignore_eos=True)
@@ -324,17 +317,7 @@ def test_plan_check_adds_up_the_planners_predictions_against_the_measured_steps(
     tokens = np.array([1.0, 8.0, 64.0])
     # Verification nearly free, drafts cheap: the planner speculates, plainly decoding only at the end.
     cost = CostModel(tokens, 1.0 + 0.001 * tokens, tokens, 0.01 + 0.0001 * tokens)
-    target_fn, draft_fn = toy_pair()
-    engine = LLMEngine(
-        ToyRunner(VOCAB, target_fn),
-        ToyTokenizer(VOCAB, None),
-        EngineConfig(
-            max_num_seqs=4,
-            speculative=SpeculativeConfig(num_speculative_tokens=3, enable_adaptive_verification=True),
-        ),
-        draft=ToyRunner(VOCAB, draft_fn),
-        cost_model=cost,
-    )
+    engine, *_ = make_engine(k=3, max_num_seqs=4, cost_model=cost)
     for i in range(4):
         engine.add_request([i % VOCAB, 2], SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True))
     want = {kind: engine_module.PlanCheck() for kind in ("speculative", "plain")}
