@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -66,8 +66,8 @@ class PlanCheck:
     tokens: int = 0
 
     def add(self, other: PlanCheck) -> None:
-        for name in ("steps", "predicted_seconds", "measured_seconds", "expected_tokens", "tokens"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass
