@@ -81,6 +81,52 @@ def test_continuous_batching_respects_max_num_seqs_and_finishes_everyone() -> No
     assert all(outs[r].finish_reason == "length" for r in ids)
 
 
+@pytest.mark.parametrize("k", [None, 3])
+def test_prompt_token_budget_spreads_a_burst_over_steps_and_changes_no_output(k) -> None:
+    """Prompts of 6 tokens under a 13-token budget: two join per step (a third would make 18), and the
+    staggered prefill yields exactly the outputs of admitting everyone at once (same seeds)."""
+    prompts = [[i % 4 + 1, 2, 3, 4, 0, 1] for i in range(5)]
+    outputs = {}
+    for budget in (None, 13):
+        engine, _, _ = make_engine(k=k, max_num_seqs=8)
+        engine.scheduler.max_prefill_tokens = budget
+        ids = [
+            engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=i))
+            for i, p in enumerate(prompts)
+        ]
+        sizes = []
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.output_token_ids
+            sizes.append(engine.stats.last_batch_size)
+        outputs[budget] = [outs[r] for r in ids]
+        if budget is None:
+            assert sizes[0] == 5
+        else:
+            assert sizes[:3] == [2, 4, 5]
+    assert outputs[13] == outputs[None]
+
+
+def test_a_prompt_longer_than_the_budget_joins_alone() -> None:
+    engine, _, _ = make_engine(k=2, max_num_seqs=8)
+    engine.scheduler.max_prefill_tokens = 4
+    for n in (10, 3, 3):
+        engine.add_request([i % 5 for i in range(n)], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert engine.stats.last_batch_size == 1  # the 10-token prompt, alone
+    engine.step()
+    assert engine.stats.last_batch_size == 2  # the 3-token one; the next would make 6 > 4
+    assert engine.num_waiting == 1
+    _, _ = run_all(engine)
+
+
+def test_prompt_token_budget_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):
+        EngineConfig(max_prefill_tokens=0)
+
+
 def test_same_seed_same_output_with_or_without_speculation_for_greedy() -> None:
     spec_engine, _, _ = make_engine(k=3)
     plain_engine, _, _ = make_engine(k=None)

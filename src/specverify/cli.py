@@ -29,6 +29,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=None)
+    add_prefill_argument(parser)
+
+
+def add_prefill_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=512,
+        help="prompt tokens that may join the batch per step; a longer prompt joins alone (0: no limit; "
+        "default 512)",
+    )
+
+
+def prefill_budget(args: argparse.Namespace) -> int | None:
+    return args.max_prefill_tokens if args.max_prefill_tokens != 0 else None
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> dict | None:
@@ -59,6 +74,7 @@ def llm_from_args(args: argparse.Namespace, **kwargs):
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_prefill_tokens=prefill_budget(args),
         **kwargs,
     )
 

@@ -62,6 +62,8 @@ class SpeculativeConfig:
 class EngineConfig:
     max_num_seqs: int = 32
     max_model_len: int | None = None  # None: the smaller of the models' limits
+    # Prompt tokens that may join the batch in one step (a longer prompt joins alone); None: no limit.
+    max_prefill_tokens: int | None = 512
     seed: int = 0
     speculative: SpeculativeConfig | None = None
     record_trace: str | None = None  # path of a JSONL trace of labelled drafts
@@ -69,5 +71,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        budget = self.max_prefill_tokens
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ConfigError(f"max_prefill_tokens must be a positive integer or None, got {budget!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len!r}")

@@ -83,6 +83,7 @@ class LLM:
         device: str = "cpu",
         max_num_seqs: int = 32,
         max_model_len: int | None = None,
+        max_prefill_tokens: int | None = 512,
         seed: int = 0,
         record_trace: str | None = None,
         models: LoadedModels | None = None,
@@ -92,6 +93,7 @@ class LLM:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            max_prefill_tokens=max_prefill_tokens,
             seed=seed,
             speculative=spec,
             record_trace=record_trace,

@@ -18,8 +18,9 @@ as in one long-running server; one cost model serves every adaptive engine and k
 short untimed warm-up generation per mode (at the first temperature) runs before the sweep.
 
 What stepping in turn cannot pair is a single long step: a prefill of many prompts takes seconds, and
-the machine's speed changes within them, so prefill-heavy points (short outputs, high concurrency) stay
-noisier than their decode steps.
+the machine's speed changes within them. So the engines admit at most `max_prefill_tokens` prompt tokens
+per step (the engine's own default), and a round's prompts are prefilled over several short steps that
+take turns like the decode steps.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class BenchConfig:
     ignore_eos: bool = False
     warmup_tokens: int = 8
     warmup_prompts: int = 2
+    # Prompt tokens that join an engine's batch per step (EngineConfig.max_prefill_tokens): a round's
+    # prompts are prefilled over several short steps, which stepping in turn pairs like decode steps.
+    max_prefill_tokens: int | None = 512
     # Without num_prompts, a point gets at least this many prompts (one prompt alone is too noisy).
     min_prompts: int = 4
     # At least this many rounds of `concurrency` prompts per point: more side-by-side repetitions at a
@@ -295,7 +299,10 @@ class BenchRunner:
 
     def make_engine(self, mode: str, concurrency: int) -> LLMEngine:
         config = EngineConfig(
-            max_num_seqs=concurrency, seed=self.config.seed, speculative=self.spec_for(mode)
+            max_num_seqs=concurrency,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            seed=self.config.seed,
+            speculative=self.spec_for(mode),
         )
         engine = self.engine_factory(
             self.target,

@@ -142,7 +142,7 @@ class LLMEngine:
             limits.append(self.config.max_model_len)
         self.max_model_len = min(limits)
         self.eos_token_ids = self._eos_ids(tokenizer, target)
-        self.scheduler = Scheduler(self.config.max_num_seqs)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
         self.stats = EngineStats()
         self._seed_source = np.random.SeedSequence(self.config.seed)
         self.incremental_text = False  # the server turns this on to stream text deltas
