@@ -95,6 +95,21 @@ def test_single_outlier_barely_moves_the_prediction() -> None:
     assert cost.target_time(16) == pytest.approx(before, rel=0.03)
 
 
+@pytest.mark.parametrize("seen_before", [0, 500])
+def test_a_profile_that_is_off_is_corrected_within_a_few_steps(seen_before) -> None:
+    """The profile under-states one budget by 30 % (taken in a quiet moment, or a budget first used
+    late, after hundreds of steps at another): the running-mean start corrects it within ten steps."""
+    cost = model()
+    for _ in range(seen_before):
+        cost.observe_target(8, true_target(8))
+    for _ in range(cost.target.warmup + 10):
+        cost.observe_target(64, 1.3 * true_target(64))
+        if seen_before:  # steps at the well-measured budget go on
+            cost.observe_target(8, true_target(8))
+    assert cost.target_time(64) == pytest.approx(1.3 * true_target(64), rel=0.06)
+    assert cost.target_time(8) == pytest.approx(true_target(8), rel=0.06 if seen_before else 0.35)
+
+
 def test_never_observed_bucket_follows_global_drift() -> None:
     cost = model()
     for _ in range(200):

@@ -16,6 +16,10 @@ Each observation moves three terms:
   curve, including ones never chosen, so there is no dead spot.
 - `r[anchor]`, a per-anchor residual (an observation between two anchors feeds both with its
   interpolation weights).
+- Early on these averages are running means in which the profile counts as `profile_weight`
+  observations (a curve's level over all its observations, an anchor's residual over that anchor's), then
+  exponential ones at the `alpha_*` rates: a profile taken in a noisy moment, or an anchor first used
+  late, is corrected within a few steps instead of dozens, and later one step still moves little.
 - Each observation's log-ratio is clipped to +-`clip` around the current prediction before it enters the
   averages, so one 10x outlier moves the prediction by a couple of percent at most.
 - The first `warmup` observations of each curve are ignored (lazy initialisation, allocator warm-up).
@@ -66,6 +70,7 @@ class _Curve:
         alpha_bucket: float,
         clip: float,
         warmup: int,
+        profile_weight: float = 1.0,
         drift: _Drift | None = None,
     ) -> None:
         x = np.asarray(tokens, dtype=np.float64)
@@ -90,6 +95,7 @@ class _Curve:
         self.alpha_bucket = alpha_bucket
         self.clip = clip
         self.warmup = warmup
+        self.profile_weight = profile_weight
         self.drift = drift if drift is not None else _Drift(0.0)
         self._refresh()
 
@@ -161,12 +167,12 @@ class _Curve:
         self.drift.value += self.drift.alpha * (clipped - predicted)
         # The curve's level: a moving average of the log-ratio beyond the drift. Residuals: what is
         # specific to this budget beyond the level (so an anchor never measured still follows the level).
-        self.g += self.alpha_global * (clipped - m - g)
-        self.resid[lo] += self.alpha_bucket * (1.0 - w) * (clipped - m - g - self.resid[lo])
-        self.seen[lo] += 1.0 - w
-        if hi != lo:
-            self.resid[hi] += self.alpha_bucket * w * (clipped - m - g - self.resid[hi])
-            self.seen[hi] += w
+        used = self.n_obs - self.warmup
+        self.g += max(self.alpha_global, 1.0 / (used + self.profile_weight)) * (clipped - m - g)
+        for anchor, weight in ((lo, 1.0 - w), (hi, w)) if hi != lo else ((lo, 1.0),):
+            self.seen[anchor] += weight
+            rate = weight * max(self.alpha_bucket, 1.0 / (self.seen[anchor] + self.profile_weight))
+            self.resid[anchor] += rate * (clipped - m - g - self.resid[anchor])
         self._refresh()
         return True
 
@@ -212,12 +218,19 @@ class CostModel:
         alpha_drift: float = 0.1,
         clip: float = 0.15,
         warmup: int = 3,
+        profile_weight: float = 1.0,
         fit_context: bool = True,
         context_alpha: float = 0.02,
         context_min_r2: float = 0.1,
         context_min_obs: int = 30,
     ) -> None:
-        self._params = dict(alpha_global=alpha_global, alpha_bucket=alpha_bucket, clip=clip, warmup=warmup)
+        self._params = dict(
+            alpha_global=alpha_global,
+            alpha_bucket=alpha_bucket,
+            clip=clip,
+            warmup=warmup,
+            profile_weight=profile_weight,
+        )
         self.alpha_drift = alpha_drift
         self.drift = _Drift(alpha_drift)
         curve = dict(self._params, drift=self.drift)
