@@ -297,6 +297,18 @@ def test_speculation_state_carries_estimator_and_recent_features() -> None:
         plain.load_speculation_state(state)
 
 
+def test_speculation_state_carries_the_planners_realised_gain() -> None:
+    from specverify.cost_model import CostModel
+
+    tokens = np.array([1.0, 8.0, 64.0])
+    engine, *_ = make_engine(k=3, cost_model=CostModel(tokens, 0.1 + 0.01 * tokens, tokens, 0.01 * tokens))
+    engine.planner.load_gain_state({"expected": 200.0, "realised": 100.0})
+    fresh, *_ = make_engine(k=3, cost_model=CostModel(tokens, 0.1 + 0.01 * tokens, tokens, 0.01 * tokens))
+    assert fresh.planner.gain_factor == 1.0
+    fresh.load_speculation_state(engine.speculation_state())
+    assert fresh.planner.gain_factor == pytest.approx(120.0 / 220.0)
+
+
 def test_greedy_and_sampled_requests_train_their_own_estimators(tmp_path) -> None:
     import json
 

@@ -276,6 +276,35 @@ def test_could_pay_only_where_better_drafts_could_win() -> None:
     assert not low.could_pay(0)
 
 
+def test_realised_gain_below_plan_turns_speculation_off_and_decays_back() -> None:
+    """Steps that yield a third of the planned draft gain: the factor follows the measured tokens and
+    speculation stops at a load where it paid only on paper; after plain steps it is tried again."""
+    r, p = 4, np.full(K, 0.8)
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    assert planner.choose_draft_depth(r, p) > 0
+    speculative_steps = 0
+    while planner.choose_draft_depth(r, p) > 0 and speculative_steps < 100:
+        speculative_steps += 1
+        planned_gain = planner.expected_tokens - r
+        planner.observe_tokens(r + planned_gain / (3.0 * planner.gain_factor))
+    assert 1 <= speculative_steps < 20
+    assert planner.gain_factor < 0.8
+    # No dead spot: without speculative steps the sums decay and the prior brings it back.
+    steps_off = 0
+    while planner.choose_draft_depth(r, p) == 0 and steps_off < 1000:
+        steps_off += 1
+    assert 1 <= steps_off < 1000
+    # Steps that yield what was planned keep the factor at 1; a plain step is never counted.
+    fresh = AdaptivePlanner(cpu_like_cost(), K)
+    for _ in range(20):
+        fresh.choose_draft_depth(r, p)
+        fresh.observe_tokens(fresh.expected_tokens)
+    assert fresh.gain_factor == pytest.approx(1.0, abs=0.05)
+    fresh.choose_draft_depth(32, np.full(K, 0.3))  # depth 0
+    fresh.observe_tokens(0)
+    assert fresh.gain_factor == pytest.approx(1.0, abs=0.05)
+
+
 def test_metrics_attributes() -> None:
     planner = AdaptivePlanner(cpu_like_cost(), K)
     d = planner.choose_draft_depth(2, np.full(K, 0.8))

@@ -9,6 +9,13 @@ draft's catch-up (tokens it has not consumed yet: a new prompt, or what it misse
 off; amortised over the steps the requests still have, at most `catchup_horizon`) and prefill (shared by every option). A step's choice
 maximises tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
 
+The drafts' expected gain is scaled by `gain_factor`, the realised over the expected gain of the
+speculative steps the planner chose (decaying sums with a prior; `observe_tokens`): the time side has the
+cost model's online correction, this is the token side's. Per-slot estimates can be calibrated while a
+plan still yields less than its pooled survivals promise (requests capped near max_tokens or ending at
+EOS, drafting stopped early, steps unlike the recent ones). With speculation off the sums decay back to
+the prior, so a low factor does not keep speculation off for good.
+
 LOSSLESSNESS (DESIGN §5). Whether slot k of request r is verified may depend on the prefix and on draft
 distributions up to k (hence on s[r, <=k]) and on other requests, but never on the token drafted at k,
 i.e. never on s[r, j > k]. So:
@@ -81,6 +88,8 @@ class AdaptivePlanner:
         min_gain: float = 0.02,
         initial_threshold: float = 0.0,
         catchup_horizon: float = 16.0,
+        gain_prior_tokens: float = 20.0,
+        gain_half_life_steps: float = 32.0,
     ) -> None:
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
@@ -96,6 +105,14 @@ class AdaptivePlanner:
         if catchup_horizon < 1.0:
             raise ValueError("catchup_horizon must be >= 1 step")
         self.catchup_horizon = float(catchup_horizon)
+        # Realised / expected draft gain: decaying sums (per planned step) over a prior of
+        # `gain_prior_tokens` expected tokens that came as expected.
+        self.gain_prior_tokens = float(gain_prior_tokens)
+        self._gain_decay = 0.5 ** (1.0 / gain_half_life_steps)
+        self._gain_expected = 0.0
+        self._gain_realised = 0.0
+        self._planned_gain = 0.0  # the last plan's draft gain before the factor (what the factor corrects)
+        self.gain_factor = 1.0
         self.value_of_time = 0.0  # tokens/second of the best steady plan (lambda); prices drafting time
         self.expected_p = np.zeros(self.k)
         self.threshold = float(initial_threshold)  # 0: verify everything drafted until we know better
@@ -174,7 +191,7 @@ class AdaptivePlanner:
         gain = np.concatenate([np.zeros((depths.size, 1)), np.cumsum(v * mask, axis=1)], axis=1)
         count = np.concatenate([np.zeros((depths.size, 1)), np.cumsum(mask, axis=1)], axis=1)
         budget_tokens = count * scale
-        tokens = r_count + gain * scale
+        tokens = r_count + gain * scale * self.gain_factor
         # The first draft forward also consumes what the draft has not seen yet (its catch-up): an
         # investment the following steps reuse, so 1 / horizon of its extra time is charged to this one.
         catchup = (self.cost.draft_time(draft_feed) - self.cost.draft_time(r_count)) / max(horizon, 1.0)
@@ -236,6 +253,10 @@ class AdaptivePlanner:
         self.num_requests = r_count
         self.context_tokens = int(context_tokens)
         self.expected_p = self._clean_expected(expected_p)
+        self._gain_expected *= self._gain_decay
+        self._gain_realised *= self._gain_decay
+        self._planned_gain = 0.0
+        self.load_gain_state(self.gain_state())  # the factor drifts back to the prior while unmeasured
         if r_count <= 0:
             self.depth, self.planned_budget, self.expected_tokens, self.expected_rate = 0, 0.0, 0.0, 0.0
             self.expected_seconds = 0.0
@@ -270,7 +291,29 @@ class AdaptivePlanner:
         self.planned_budget = float(budget[best])
         if best > 0:
             self.threshold = float(thresholds[best])
+            self._planned_gain = (self.expected_tokens - r_count) / self.gain_factor
         return best
+
+    def observe_tokens(self, tokens: float) -> None:
+        """Tokens the last `choose_draft_depth` step emitted, if it speculated as planned: updates
+        `gain_factor` (realised over expected draft gain, beyond the one token per request)."""
+        if self._planned_gain <= 0.0:
+            return
+        self._gain_expected += self._planned_gain
+        self._gain_realised += max(float(tokens) - self.num_requests, 0.0)
+        self._planned_gain = 0.0
+        self.load_gain_state(self.gain_state())
+
+    def gain_state(self) -> dict[str, float]:
+        """The decaying sums behind `gain_factor`, to carry into another planner."""
+        return {"expected": self._gain_expected, "realised": self._gain_realised}
+
+    def load_gain_state(self, state: dict[str, float]) -> None:
+        self._gain_expected = max(float(state["expected"]), 0.0)
+        self._gain_realised = max(float(state["realised"]), 0.0)
+        prior = self.gain_prior_tokens
+        ratio = (self._gain_realised + prior) / (self._gain_expected + prior)
+        self.gain_factor = float(np.clip(ratio, 0.5, 1.5))
 
     def could_pay(self, num_requests: int, context_tokens: int = 0) -> bool:
         """Whether speculation could beat plain decoding at this load if the drafts were better than
@@ -319,7 +362,7 @@ class AdaptivePlanner:
         if n == 0 or depth_done >= limit or depth_done < 0:
             return np.zeros(n, dtype=bool)
         p = self._clean_expected(expected_p) if expected_p is not None else self.expected_p
-        gain = np.clip(s, 0.0, 1.0) * p[depth_done]
+        gain = np.clip(s, 0.0, 1.0) * p[depth_done] * self.gain_factor
         order = np.argsort(-gain, kind="stable")
         g_cum = np.concatenate([[0.0], np.cumsum(gain[order])])
         m = np.arange(n + 1)
@@ -395,4 +438,5 @@ class AdaptivePlanner:
             "expected_tokens": self.expected_tokens,
             "expected_rate": self.expected_rate,
             "value_of_time": self.value_of_time,
+            "gain_factor": self.gain_factor,
         }

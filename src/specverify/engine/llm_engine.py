@@ -232,12 +232,16 @@ class LLMEngine:
 
     def speculation_state(self) -> dict | None:
         """What this engine has learned about its drafts, to carry into another engine over the same
-        pair (as a long-running server keeps it): the estimator's state and the recent draft features
-        that stand for the next steps' drafts when a depth is chosen. None without speculation."""
+        pair (as a long-running server keeps it): the estimator's state, the recent draft features
+        that stand for the next steps' drafts when a depth is chosen, and the planner's realised-gain
+        sums. None without speculation."""
         if self.estimator is None:
             return None
         recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros(0)
-        return {"estimator": self.estimator_state(), "recent_features": recent.tolist()}
+        state = {"estimator": self.estimator_state(), "recent_features": recent.tolist()}
+        if self.planner is not None:
+            state["planner_gain"] = self.planner.gain_state()
+        return state
 
     def load_speculation_state(self, state: dict) -> None:
         """Warm start from `speculation_state()`."""
@@ -246,6 +250,8 @@ class LLMEngine:
         self.load_estimator_dict(state["estimator"])
         recent = np.asarray(state.get("recent_features", []), dtype=np.float64)
         self._recent_features = [recent[np.isfinite(recent)][-_FEATURE_MEMORY:]] if recent.size else []
+        if self.planner is not None and "planner_gain" in state:
+            self.planner.load_gain_state(state["planner_gain"])
 
     @staticmethod
     def _eos_ids(tokenizer, target) -> set[int]:
@@ -339,6 +345,8 @@ class LLMEngine:
             check.measured_seconds += elapsed
             check.expected_tokens += self.planner.expected_tokens
             check.tokens += sum(map(len, new_tokens))
+            if depth:
+                self.planner.observe_tokens(sum(map(len, new_tokens)))
         return outputs
 
     def _draft_depth(self, running: list[Request], greedy: np.ndarray) -> int:
