@@ -309,6 +309,34 @@ def test_speculation_state_carries_the_planners_realised_gain() -> None:
     assert fresh.planner.gain_factor == pytest.approx(120.0 / 220.0)
 
 
+def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch) -> None:
+    """With speculation chosen every step, plain steps still run: while plain decoding near this batch
+    size has fewer than 3 used measurements, and then one per _PLAIN_PROBE_EVERY speculative steps."""
+    import specverify.engine.llm_engine as engine_module
+    from specverify.cost_model import CostModel
+
+    monkeypatch.setattr(engine_module, "_PLAIN_PROBE_EVERY", 8)
+    tokens = np.array([1.0, 2.0, 4.0, 8.0, 64.0])
+    engine, *_ = make_engine(
+        k=3, max_num_seqs=4, cost_model=CostModel(tokens, np.ones(5), tokens, np.ones(5))
+    )
+    monkeypatch.setattr(engine.planner, "choose_draft_depth", lambda *a, **k: 3)  # speculation always pays
+    engine.estimator.n_observed_ = engine.greedy_estimator.n_observed_ = 10**6  # past the warm-up
+    for i in range(4):
+        engine.add_request([i % VOCAB, 1], SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True))
+    depths = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        depths.append(engine.stats.last_draft_depth)
+    plain = [i for i, d in enumerate(depths) if d == 0]
+    warmup = engine.planner.cost.plain.warmup
+    assert plain[: warmup + 3] == list(range(warmup + 3))  # measured first (after the curve's warm-up)
+    gaps = np.diff(plain[warmup + 3 :])
+    assert len(gaps) >= 3 and (gaps <= 10).all()  # then one every 8 speculative steps (+ tail batches)
+    assert engine.planner.cost.plain_observations(4) >= 3
+    assert sum(d > 0 for d in depths) > 0.8 * len(depths)
+
+
 def test_greedy_and_sampled_requests_train_their_own_estimators(tmp_path) -> None:
     import json
 
@@ -372,6 +400,8 @@ def test_plan_check_adds_up_the_planners_predictions_against_the_measured_steps(
 
     monkeypatch.setattr(engine_module, "_WARMUP_LABELS", 0)  # every step is the planner's own choice
     monkeypatch.setattr(engine_module, "_PROBE_MIN_STREAK", 10**9)
+    monkeypatch.setattr(engine_module, "_PLAIN_MIN_OBS", 0)  # no plain-step probes either
+    monkeypatch.setattr(engine_module, "_PLAIN_PROBE_EVERY", 10**9)
     tokens = np.array([1.0, 8.0, 64.0])
     # Verification nearly free, drafts cheap: the planner speculates, plainly decoding only at the end.
     cost = CostModel(tokens, 1.0 + 0.001 * tokens, tokens, 0.01 + 0.0001 * tokens)

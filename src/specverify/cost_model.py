@@ -139,6 +139,11 @@ class _Curve:
         lo = hi - 1
         return lo, hi, float((n - self.x[lo]) / (self.x[hi] - self.x[lo]))
 
+    def seen_near(self, n: float) -> float:
+        """Observations (weighted by interpolation) at the anchors that price n."""
+        lo, hi, w = self._weights(n)
+        return float((1.0 - w) * self.seen[lo] + w * self.seen[hi])
+
     def base_log(self, n: float) -> float:
         """log of the uncorrected profile at n (extrapolated like the prediction)."""
         if n > self.x[-1] and self.x.size > 1:
@@ -285,6 +290,10 @@ class CostModel:
     def plain_time(self, num_tokens: ArrayLike) -> ArrayLike:
         """Seconds for one whole step without speculation over `num_tokens` tokens."""
         return self.plain.predict(num_tokens)
+
+    def plain_observations(self, num_tokens: int) -> float:
+        """How many plain steps near `num_tokens` tokens have been measured (0: only predicted)."""
+        return self.plain.seen_near(float(num_tokens))
 
     def observe_plain(self, num_tokens: int, seconds: float) -> None:
         """Feed the measured time of one step without speculation."""

@@ -39,6 +39,13 @@ _PROBE_MIN_STREAK = 16
 _PROBE_DEPTH = 2
 _PROBE_REQUESTS = 4
 _EXPLORATION_SHARE = 0.01
+# With speculation on, a plain step now and then keeps plain decoding measured at the current load:
+# otherwise its cost is only predicted, from the profile and a drift the speculative steps move, and a
+# prediction that makes plain decoding look dear would never be checked. One while plain steps near this
+# batch size have fewer than _PLAIN_MIN_OBS measurements, then one every _PLAIN_PROBE_EVERY
+# speculative steps.
+_PLAIN_MIN_OBS = 3
+_PLAIN_PROBE_EVERY = 64
 
 
 class PromptError(ValueError):
@@ -153,6 +160,7 @@ class LLMEngine:
         self.trace = None
         self._recent_features: list[np.ndarray] = []
         self._plain_streak = 0
+        self._speculative_streak = 0
         self._plain_seconds = 0.0  # predicted time of the plain steps since the last probe
         self._probing = False
         self._probe_rows: np.ndarray | None = None  # rows drafting in a probe step (None: all)
@@ -382,6 +390,15 @@ class LLMEngine:
             return k
         if depth > 0:
             self._plain_streak, self._plain_seconds = 0, 0.0
+            self._speculative_streak += 1
+            if (
+                self._speculative_streak > _PLAIN_PROBE_EVERY
+                or self.planner.cost.plain_observations(len(running)) < _PLAIN_MIN_OBS
+            ):
+                self._speculative_streak = 0
+                self._probing = True
+                self.stats.planning_seconds_total += time.perf_counter() - start
+                return 0
         else:
             self._plain_streak += 1
             self._plain_seconds += float(self.planner.cost.plain_time(len(running)))
