@@ -256,7 +256,7 @@ class AdaptivePlanner:
         self._gain_expected *= self._gain_decay
         self._gain_realised *= self._gain_decay
         self._planned_gain = 0.0
-        self.load_gain_state(self.gain_state())  # the factor drifts back to the prior while unmeasured
+        self._refresh_gain_factor()  # drifts back to the prior while unmeasured
         if r_count <= 0:
             self.depth, self.planned_budget, self.expected_tokens, self.expected_rate = 0, 0.0, 0.0, 0.0
             self.expected_seconds = 0.0
@@ -302,7 +302,7 @@ class AdaptivePlanner:
         self._gain_expected += self._planned_gain
         self._gain_realised += max(float(tokens) - self.num_requests, 0.0)
         self._planned_gain = 0.0
-        self.load_gain_state(self.gain_state())
+        self._refresh_gain_factor()
 
     def gain_state(self) -> dict[str, float]:
         """The decaying sums behind `gain_factor`, to carry into another planner."""
@@ -311,6 +311,9 @@ class AdaptivePlanner:
     def load_gain_state(self, state: dict[str, float]) -> None:
         self._gain_expected = max(float(state["expected"]), 0.0)
         self._gain_realised = max(float(state["realised"]), 0.0)
+        self._refresh_gain_factor()
+
+    def _refresh_gain_factor(self) -> None:
         prior = self.gain_prior_tokens
         ratio = (self._gain_realised + prior) / (self._gain_expected + prior)
         self.gain_factor = float(np.clip(ratio, 0.5, 1.5))
