@@ -347,14 +347,15 @@ class LLMEngine:
         stats.last_batch_size = len(running)
         stats.last_draft_depth = depth
         if self.planner is not None and not self._probing:
+            emitted = sum(map(len, new_tokens))
             check = stats.plan_check["speculative" if depth else "plain"]
             check.steps += 1
             check.predicted_seconds += self.planner.expected_seconds
             check.measured_seconds += elapsed
             check.expected_tokens += self.planner.expected_tokens
-            check.tokens += sum(map(len, new_tokens))
+            check.tokens += emitted
             if depth:
-                self.planner.observe_tokens(sum(map(len, new_tokens)))
+                self.planner.observe_tokens(emitted)
         return outputs
 
     def _draft_depth(self, running: list[Request], greedy: np.ndarray) -> int:
