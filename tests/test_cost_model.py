@@ -110,6 +110,24 @@ def test_a_profile_that_is_off_is_corrected_within_a_few_steps(seen_before) -> N
     assert cost.target_time(8) == pytest.approx(true_target(8), rel=0.06 if seen_before else 0.35)
 
 
+def test_a_budget_first_measured_late_is_corrected_by_its_first_few_observations() -> None:
+    """Speculation ran for hundreds of steps while plain steps at this size were never measured, and the
+    plain curve there is 50 % too dear on paper: the engine's few forced plain steps (3) must correct
+    most of it, though each observation is clipped around the prediction against outliers."""
+    cost = model()
+    for _ in range(300):  # plain steps elsewhere, verification everywhere: curves well measured
+        cost.observe_plain(4, true_target(4))
+        cost.observe_target(48, true_target(48))
+    cost.plain.base[cost.plain.x == 16] *= 1.5  # the profile over-states plain steps at 16 tokens
+    cost.plain.log_base = np.log(cost.plain.base)
+    cost.plain._refresh()
+    assert cost.plain_time(16) == pytest.approx(1.5 * true_target(16), rel=0.02)
+    for _ in range(3):
+        cost.observe_plain(16, true_target(16))
+    assert cost.plain_time(16) == pytest.approx(true_target(16), rel=0.12)  # clip 0.15 alone: 1.27x
+    assert cost.plain_time(4) == pytest.approx(true_target(4), rel=0.08)  # others move with the level only
+
+
 def test_never_observed_bucket_follows_global_drift() -> None:
     cost = model()
     for _ in range(200):

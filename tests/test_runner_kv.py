@@ -18,6 +18,11 @@ def runner(tiny_hf):
     return r
 
 
+# fp32 logits of one sequence computed in chunks of other sizes: the matmul kernels block the sums
+# differently (seen: 1.8e-6 absolute on some CPUs), while a KV-cache bug moves logits by O(1).
+SAME_MATH = dict(atol=1e-5, rtol=1e-4)
+
+
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, TINY_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -32,10 +37,10 @@ def test_truncate_then_reappend_equals_fresh_run(runner):
     after_rollback = runner.forward([0], [accepted], [3])
 
     fresh = runner.forward([1], [prefix + accepted], [3])
-    torch.testing.assert_close(after_rollback, fresh, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(after_rollback, fresh, **SAME_MATH)
     # The stale entries past the rollback point must not leak into later steps either.
     torch.testing.assert_close(
-        runner.forward([0], [[5]], [1]), runner.forward([1], [[5]], [1]), atol=1e-6, rtol=1e-6
+        runner.forward([0], [[5]], [1]), runner.forward([1], [[5]], [1]), **SAME_MATH
     )
 
 
@@ -48,7 +53,7 @@ def test_truncate_to_zero_and_release_start_over(runner):
     assert runner.cache_length(3) == 0 and runner.num_sequences == 0
     runner.release(3)  # unknown ids are ignored
     again = runner.forward([3], [tokens(4, 4)], [4])  # a released id starts a fresh cache
-    torch.testing.assert_close(first, again, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(first, again, **SAME_MATH)
     assert runner.cache_bytes() > 0
     runner.release(3)
     assert runner.cache_bytes() == 0

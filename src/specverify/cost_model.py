@@ -21,7 +21,11 @@ Each observation moves three terms:
   exponential ones at the `alpha_*` rates: a profile taken in a noisy moment, or an anchor first used
   late, is corrected within a few steps instead of dozens, and later one step still moves little.
 - Each observation's log-ratio is clipped to +-`clip` around the current prediction before it enters the
-  averages, so one 10x outlier moves the prediction by a couple of percent at most.
+  averages, so one 10x outlier moves the prediction by a couple of percent at most. An anchor's residual
+  clips its first observations wider (`early_clip / (observations + profile_weight)`, never below
+  `clip`): where a budget is first measured the profile is the only other evidence, and a profile 50 %
+  off must not take dozens of steps to correct (a plain step measured only now and then while
+  speculating would stay dear on paper).
 - The first `warmup` observations of each curve are ignored (lazy initialisation, allocator warm-up).
 - Context term: an exponentially weighted regression of the residual seconds on the context size (centred
   on its moving average), used only once it explains a fraction of the residual variance.
@@ -71,6 +75,7 @@ class _Curve:
         clip: float,
         warmup: int,
         profile_weight: float = 1.0,
+        early_clip: float = 1.0,
         drift: _Drift | None = None,
     ) -> None:
         x = np.asarray(tokens, dtype=np.float64)
@@ -96,6 +101,7 @@ class _Curve:
         self.clip = clip
         self.warmup = warmup
         self.profile_weight = profile_weight
+        self.early_clip = early_clip
         self.drift = drift if drift is not None else _Drift(0.0)
         self._refresh()
 
@@ -174,10 +180,16 @@ class _Curve:
         # specific to this budget beyond the level (so an anchor never measured still follows the level).
         used = self.n_obs - self.warmup
         self.g += max(self.alpha_global, 1.0 / (used + self.profile_weight)) * (clipped - m - g)
+        # An anchor's first observations may correct a profile that is far off (the profile is but one
+        # observation): their clip starts wide and narrows to `clip` as the anchor's evidence grows, so
+        # the running mean is not held back to `clip` per step where a budget is first measured.
+        seen = (1.0 - w) * self.seen[lo] + w * self.seen[hi]
+        wide = max(self.clip, self.early_clip / (seen + self.profile_weight))
+        clipped_anchor = predicted + min(max(log_ratio - predicted, -wide), wide)
         for anchor, weight in ((lo, 1.0 - w), (hi, w)) if hi != lo else ((lo, 1.0),):
             self.seen[anchor] += weight
             rate = weight * max(self.alpha_bucket, 1.0 / (self.seen[anchor] + self.profile_weight))
-            self.resid[anchor] += rate * (clipped - m - g - self.resid[anchor])
+            self.resid[anchor] += rate * (clipped_anchor - m - g - self.resid[anchor])
         self._refresh()
         return True
 
@@ -224,6 +236,7 @@ class CostModel:
         clip: float = 0.15,
         warmup: int = 3,
         profile_weight: float = 1.0,
+        early_clip: float = 1.0,
         fit_context: bool = True,
         context_alpha: float = 0.02,
         context_min_r2: float = 0.1,
@@ -235,6 +248,7 @@ class CostModel:
             clip=clip,
             warmup=warmup,
             profile_weight=profile_weight,
+            early_clip=early_clip,
         )
         self.alpha_drift = alpha_drift
         self.drift = _Drift(alpha_drift)
