@@ -41,7 +41,9 @@ def cost_model(per_token: float) -> CostModel:
     """Verification cost grows with the tokens verified, so the planner must trim (synthetic profile)."""
     tokens = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     batches = np.array([1, 2, 4, 8, 16, 32, 64])
-    # Frozen (no online refinement): the toy models' real step times are meaningless here.
+    # Frozen (no online refinement): the toy models' real step times are meaningless here. Zero rates
+    # alone no longer freeze it (levels start as running means over the profile's weight, and the
+    # machine drift has a rate of its own), so the profile weighs as much as a billion observations.
     return CostModel(
         tokens,
         1.0 + per_token * tokens,
@@ -49,6 +51,8 @@ def cost_model(per_token: float) -> CostModel:
         0.02 + 0.001 * batches,
         alpha_global=0.0,
         alpha_bucket=0.0,
+        alpha_drift=0.0,
+        profile_weight=1e9,
         fit_context=False,
     )
 

@@ -337,6 +337,37 @@ def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch) -> None:
     assert sum(d > 0 for d in depths) > 0.8 * len(depths)
 
 
+@pytest.mark.parametrize("drafts_pay", [True, False])
+def test_warm_up_drafts_the_whole_batch_only_where_speculation_may_pay(drafts_pay) -> None:
+    """Until the estimator has its warm-up labels every drafted slot is verified. Where the prior already
+    says speculation loses at this load, only a few requests draft (the labels still come, cheaply)."""
+    import specverify.engine.llm_engine as engine_module
+    from specverify.cost_model import CostModel
+
+    tokens = np.array([1.0, 8.0, 64.0])
+    draft_seconds = (0.001 if drafts_pay else 2.0) * tokens  # drafting dear: speculation cannot pay
+    cost = CostModel(tokens, 1.0 + 0.001 * tokens, tokens, draft_seconds)
+    engine, *_ = make_engine(k=3, max_num_seqs=8, cost_model=cost)
+    for i in range(8):
+        engine.add_request([i % VOCAB, 1], SamplingParams(temperature=1.0, max_tokens=300, ignore_eos=True))
+    drafting_rows, planned = [], []
+    while engine.estimator.n_observed_ < engine_module._WARMUP_LABELS and engine.has_unfinished_requests():
+        before = engine.stats.drafted_per_position[0] if engine.stats.drafted_per_position else 0
+        engine.step()
+        assert engine._probing  # warm-up: whole drafts verified
+        drafting_rows.append(engine.stats.drafted_per_position[0] - before)
+        planned.append(engine.planner.depth)  # what the planner would have done (the prior's view)
+    assert engine.estimator.n_observed_ >= engine_module._WARMUP_LABELS  # the warm-up ended
+    rows, planned = np.array(drafting_rows), np.array(planned)
+    if drafts_pay:
+        assert (planned > 0).all() and (rows == 8).all()
+    else:  # (the cost model soon learns that toy forwards are fast; until then speculation looks dear)
+        assert (planned[:10] == 0).all()
+        assert (rows[planned == 0] <= engine_module._PROBE_REQUESTS).all() and rows.min() > 0
+        assert (rows[planned > 0] == 8).all()
+    assert engine.stats.verified_tokens == engine.stats.drafted_tokens
+
+
 def test_greedy_and_sampled_requests_train_their_own_estimators(tmp_path) -> None:
     import json
 

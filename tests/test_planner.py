@@ -265,6 +265,22 @@ def test_draft_catch_up_is_priced() -> None:
     assert patient.choose_draft_depth(r, p, draft_feed_tokens=r * 200, remaining_tokens=4) == 0
 
 
+def test_a_catch_up_that_no_later_step_would_reuse_is_charged_whole() -> None:
+    """Four requests of a burst of 32 have joined: at 4 speculation pays and the draft's catch-up on
+    their prompts would be amortised over later steps; but once the burst has joined, plain decoding
+    wins, so the catch-up would be wasted."""
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    r, p = 4, np.full(K, 0.8)
+    burst = dict(target_feed_tokens=256, draft_feed_tokens=256, remaining_tokens=128)
+    assert planner.choose_draft_depth(r, p) > 0  # steady state at 4: speculation
+    assert planner.choose_draft_depth(32, p) == 0  # steady state at 32: plain
+    assert planner.choose_draft_depth(r, p, **burst) > 0  # alone, the catch-up is worth amortising
+    assert planner.choose_draft_depth(r, p, **burst, steady_requests=4) > 0
+    assert planner.choose_draft_depth(r, p, **burst, steady_requests=32) == 0
+    # Charged whole only where the steady state says plain: without a catch-up nothing changes.
+    assert planner.choose_draft_depth(r, p, steady_requests=32) > 0
+
+
 def test_could_pay_only_where_better_drafts_could_win() -> None:
     planner = AdaptivePlanner(expensive_cost(), K)
     planner.choose_draft_depth(32, np.full(K, 0.7))

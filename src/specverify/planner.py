@@ -234,6 +234,7 @@ class AdaptivePlanner:
         target_feed_tokens: int | None = None,
         draft_feed_tokens: int | None = None,
         remaining_tokens: float | None = None,
+        steady_requests: int | None = None,
     ) -> int:
         """Draft depth D in 0..K for this step (0: plain decoding).
 
@@ -244,7 +245,9 @@ class AdaptivePlanner:
         same choice; with a large shared prefill, maximising this step's rate would add drafts whose
         extra tokens come at a worse rate than plain decoding gives later. The catch-up is amortised
         over the steps the requests will still speculate: `remaining_tokens` (mean per request) over the
-        steady plan's tokens per request and step, at most `catchup_horizon`.
+        steady plan's tokens per request and step, at most `catchup_horizon`, and not at all (charged
+        whole) where the steady state at `steady_requests` (the batch once waiting requests have joined;
+        default: this one) says plain decoding: no later speculative step would reuse it.
 
         Uses previous steps' survivals (extrapolated with `expected_p`, the recent mean acceptance per
         position) so heterogeneous requests are admitted top-first. Also fixes this step's admission
@@ -269,6 +272,12 @@ class AdaptivePlanner:
         if remaining_tokens is not None:
             per_step = float(steady_tokens[1:].max()) / r_count  # tokens per request and step, drafting
             horizon = min(horizon, max(1.0, float(remaining_tokens) / max(per_step, 1.0)))
+        coming = r_count if steady_requests is None else max(int(steady_requests), r_count)
+        later = steady
+        if coming != r_count:  # a burst still joining: judge the steady state at the batch it makes
+            later, *_ = self._plan(coming, depths, pooled, context_tokens * coming // r_count)
+        if not later[1:].max() >= later[0] * (1.0 + self.min_gain):  # rates: speculation loses there
+            horizon = 1.0
         score, tokens, budget, thresholds, seconds = self._plan(
             r_count,
             depths,
