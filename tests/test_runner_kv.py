@@ -39,9 +39,7 @@ def test_truncate_then_reappend_equals_fresh_run(runner):
     fresh = runner.forward([1], [prefix + accepted], [3])
     torch.testing.assert_close(after_rollback, fresh, **SAME_MATH)
     # The stale entries past the rollback point must not leak into later steps either.
-    torch.testing.assert_close(
-        runner.forward([0], [[5]], [1]), runner.forward([1], [[5]], [1]), **SAME_MATH
-    )
+    torch.testing.assert_close(runner.forward([0], [[5]], [1]), runner.forward([1], [[5]], [1]), **SAME_MATH)
 
 
 def test_truncate_to_zero_and_release_start_over(runner):
