@@ -128,6 +128,21 @@ def test_a_budget_first_measured_late_is_corrected_by_its_first_few_observations
     assert cost.plain_time(4) == pytest.approx(true_target(4), rel=0.08)  # others move with the level only
 
 
+def test_one_curve_far_from_its_profile_does_not_drag_the_others() -> None:
+    """Plain steps at 32 requests take twice the profile's time (it spread 32 tokens over 8 sequences;
+    the engine has 32, each with its own attention), for a few hundred steps with nothing else
+    measured: the plain curve learns it, and the shared drift stays near zero, so predicted verification
+    and drafting keep their measured levels (the drift once slid to -0.9: drafts and verification
+    predicted at 0.4x, and speculation chosen where it lost 16 %)."""
+    cost = model()
+    for _ in range(300):
+        cost.observe_plain(32, 2.0 * true_target(32))
+    assert cost.plain_time(32) == pytest.approx(2.0 * true_target(32), rel=0.03)
+    assert abs(cost.drift.value) < 0.15
+    assert cost.target_time(32) == pytest.approx(true_target(32), rel=0.15)
+    assert cost.draft_time(8) == pytest.approx(0.058, rel=0.15)
+
+
 def test_never_observed_bucket_follows_global_drift() -> None:
     cost = model()
     for _ in range(200):

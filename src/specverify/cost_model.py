@@ -7,7 +7,8 @@ Start-up profile (see `profiling.py`) -> monotone piecewise-linear curve over th
     predicted(n) = cummax_over_anchors( profile(anchor) * exp(m + g + r[anchor]) ) interpolated at n
                    [+ beta * (context_tokens - context_ref)  for the target, when the context term is on]
 
-Each observation moves three terms:
+Each observation moves three terms, each taking in turn a share of what the prediction missed (only a
+miss moves anything, so no term slides into another while the prediction is right):
 - `m`, the machine's drift, shared by the target, plain-step and draft curves: a slow spell seen only
   by plain steps (speculation off) must also slow the predicted drafts and verification, or plain
   decoding would look worse than speculation merely because it was the one measured lately.
@@ -16,9 +17,9 @@ Each observation moves three terms:
   curve, including ones never chosen, so there is no dead spot.
 - `r[anchor]`, a per-anchor residual (an observation between two anchors feeds both with its
   interpolation weights).
-- Early on these averages are running means in which the profile counts as `profile_weight`
-  observations (a curve's level over all its observations, an anchor's residual over that anchor's), then
-  exponential ones at the `alpha_*` rates: a profile taken in a noisy moment, or an anchor first used
+- Early on the level's and the residuals' shares are those of running means in which the profile counts
+  as `profile_weight` observations (a curve's level over all its observations, an anchor's residual over
+  that anchor's), then the `alpha_*` rates (the drift's is always `alpha_drift`): a profile taken in a noisy moment, or an anchor first used
   late, is corrected within a few steps instead of dozens, and later one step still moves little.
 - Each observation's log-ratio is clipped to +-`clip` around the current prediction before it enters the
   averages, so one 10x outlier moves the prediction by a couple of percent at most. An anchor's residual
@@ -174,22 +175,27 @@ class _Curve:
         m, g = self.drift.value, self.g
         predicted = m + g + r_n
         # Robustness: an outlier can only pull by `clip` (in log space) around the current prediction.
-        clipped = predicted + min(max(log_ratio - predicted, -self.clip), self.clip)
-        self.drift.value += self.drift.alpha * (clipped - predicted)
-        # The curve's level: a moving average of the log-ratio beyond the drift. Residuals: what is
-        # specific to this budget beyond the level (so an anchor never measured still follows the level).
-        used = self.n_obs - self.warmup
-        self.g += max(self.alpha_global, 1.0 / (used + self.profile_weight)) * (clipped - m - g)
         # An anchor's first observations may correct a profile that is far off (the profile is but one
-        # observation): their clip starts wide and narrows to `clip` as the anchor's evidence grows, so
-        # the running mean is not held back to `clip` per step where a budget is first measured.
+        # observation): for its residual the clip starts wide and narrows to `clip` as the anchor's
+        # evidence grows, so a budget first measured late is not held back to `clip` per step.
         seen = (1.0 - w) * self.seen[lo] + w * self.seen[hi]
         wide = max(self.clip, self.early_clip / (seen + self.profile_weight))
-        clipped_anchor = predicted + min(max(log_ratio - predicted, -wide), wide)
+        error = min(max(log_ratio - predicted, -self.clip), self.clip)
+        wide_error = min(max(log_ratio - predicted, -wide), wide)
+        # Each term takes its share of what the prediction missed, in turn: the machine's drift (shared
+        # by every curve), the curve's level, the anchors' residuals. Only a miss moves anything: when
+        # the level chased a residual even with the prediction right, the shared drift paid for the
+        # overshoot, and a plain curve 2x its profile dragged the other curves' predictions down to 0.4x.
+        step_m = self.drift.alpha * error
+        used = self.n_obs - self.warmup
+        step_g = max(self.alpha_global, 1.0 / (used + self.profile_weight)) * (error - step_m)
+        self.drift.value += step_m
+        self.g += step_g
+        left = wide_error - step_m - step_g
         for anchor, weight in ((lo, 1.0 - w), (hi, w)) if hi != lo else ((lo, 1.0),):
             self.seen[anchor] += weight
             rate = weight * max(self.alpha_bucket, 1.0 / (self.seen[anchor] + self.profile_weight))
-            self.resid[anchor] += rate * (clipped_anchor - m - g - self.resid[anchor])
+            self.resid[anchor] += rate * left
         self._refresh()
         return True
 

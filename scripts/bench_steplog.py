@@ -1,0 +1,66 @@
+"""`specverify bench` with a per-step log of the adaptive engines' planner and cost model (diagnostics).
+
+    .venv/bin/python scripts/bench_steplog.py STEPLOG.jsonl [any `specverify bench` options]
+
+The benchmark runs unchanged (same figures, same results.json); after every adaptive step one JSON line
+records the batch size, the chosen depth, whether it was a warm-up / probe step, the measured and
+predicted seconds and tokens, the cost model's plain and target predictions at this batch size, its
+shared drift and per-curve levels, the planner's value of time and gain factor, and the slots verified.
+Use it to see why the planner chose what it did where a point of the sweep disappoints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from specverify import cli
+from specverify.engine.llm_engine import LLMEngine
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    log = open(sys.argv[1], "w")  # noqa: SIM115 - open for the whole run
+    step = LLMEngine.step
+
+    def logged_step(engine: LLMEngine):
+        if engine.planner is None:
+            return step(engine)
+        start = time.perf_counter()
+        outputs = step(engine)
+        seconds = time.perf_counter() - start
+        cost, planner, n = engine.planner.cost, engine.planner, engine.stats.last_batch_size
+        row = {
+            "requests": n,
+            "depth": engine.stats.last_draft_depth,
+            "probe": engine._probing,
+            "seconds": round(seconds, 4),
+            "predicted_seconds": round(planner.expected_seconds, 4),
+            "expected_tokens": round(planner.expected_tokens, 2),
+            "tokens": sum(len(o.new_token_ids) for o in outputs),
+            "plain_predicted": round(float(cost.plain_time(n)), 4),
+            "target_predicted": round(float(cost.target_time(n)), 4),
+            "drift": round(cost.drift.value, 3),
+            "level_target": round(cost.target.g, 3),
+            "level_plain": round(cost.plain.g, 3),
+            "level_draft": None if cost.draft is None else round(cost.draft.g, 3),
+            "value_of_time": round(planner.value_of_time, 2),
+            "gain_factor": round(planner.gain_factor, 3),
+            "verified": engine.stats.last_verify_budget,
+        }
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        return outputs
+
+    LLMEngine.step = logged_step
+    try:
+        return cli.main(["bench", *sys.argv[2:]])
+    finally:
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
