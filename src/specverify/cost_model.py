@@ -19,8 +19,9 @@ miss moves anything, so no term slides into another while the prediction is righ
   interpolation weights).
 - Early on the level's and the residuals' shares are those of running means in which the profile counts
   as `profile_weight` observations (a curve's level over all its observations, an anchor's residual over
-  that anchor's), then the `alpha_*` rates (the drift's is always `alpha_drift`): a profile taken in a noisy moment, or an anchor first used
-  late, is corrected within a few steps instead of dozens, and later one step still moves little.
+  that anchor's), then the `alpha_*` rates (the drift's is always `alpha_drift`): a profile taken in a
+  noisy moment, or an anchor first used late, is corrected within a few steps instead of dozens, and
+  later one step still moves little.
 - Each observation's log-ratio is clipped to +-`clip` around the current prediction before it enters the
   averages, so one 10x outlier moves the prediction by a couple of percent at most. An anchor's residual
   clips its first observations wider (`early_clip / (observations + profile_weight)`, never below

@@ -276,7 +276,7 @@ class AdaptivePlanner:
         later = steady
         if coming != r_count:  # a burst still joining: judge the steady state at the batch it makes
             later, *_ = self._plan(coming, depths, pooled, context_tokens * coming // r_count)
-        if not later[1:].max() >= later[0] * (1.0 + self.min_gain):  # rates: speculation loses there
+        if not self._speculation_wins(later):
             horizon = 1.0
         score, tokens, budget, thresholds, seconds = self._plan(
             r_count,
@@ -335,6 +335,10 @@ class AdaptivePlanner:
             return False
         optimistic = 1.0 - 0.5 * (1.0 - self.expected_p)
         rate, *_ = self._plan(r_count, np.arange(self.k + 1), np.cumprod(optimistic)[None, :], context_tokens)
+        return self._speculation_wins(rate)
+
+    def _speculation_wins(self, rate: np.ndarray) -> bool:
+        """Whether some depth's steady rate (tokens/second, depth 0 first) beats plain by `min_gain`."""
         return bool(rate[1:].max() >= rate[0] * (1.0 + self.min_gain))
 
     def update_threshold(self, num_requests: int, depth: int, context_tokens: int = 0) -> float:

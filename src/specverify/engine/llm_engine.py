@@ -392,7 +392,7 @@ class LLMEngine:
                 # Where even the prior says speculation does not pay (high load), the warm-up's labels
                 # come from the few requests whose draft has least to catch up (drafting the whole batch
                 # made a cold greedy run at concurrency 16 lose 12 % to plain decoding, mostly there).
-                self._probe_rows = np.argsort(draft_lags, kind="stable")[:_PROBE_REQUESTS]
+                self._probe_rows = self._least_lagging(draft_lags)
             self.stats.planning_seconds_total += time.perf_counter() - start
             return k
         if depth > 0:
@@ -410,7 +410,7 @@ class LLMEngine:
             self._plain_streak += 1
             self._plain_seconds += float(self.planner.cost.plain_time(len(running)))
         if self._plain_streak > _PROBE_MIN_STREAK:
-            rows = np.argsort(draft_lags, kind="stable")[:_PROBE_REQUESTS]
+            rows = self._least_lagging(draft_lags)
             if (
                 self._probe_seconds(len(running), draft_lags[rows])
                 <= _EXPLORATION_SHARE * self._plain_seconds
@@ -422,6 +422,11 @@ class LLMEngine:
                     depth = min(_PROBE_DEPTH, k)
         self.stats.planning_seconds_total += time.perf_counter() - start
         return depth
+
+    @staticmethod
+    def _least_lagging(draft_lags: np.ndarray) -> np.ndarray:
+        """Rows of the requests whose draft has least to catch up: who drafts in a probe or warm-up."""
+        return np.argsort(draft_lags, kind="stable")[:_PROBE_REQUESTS]
 
     def _probe_seconds(self, num_requests: int, lags: np.ndarray) -> float:
         """Predicted extra time of a probe step over a plain one: the probed requests' draft catch-up,
