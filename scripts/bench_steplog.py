@@ -16,7 +16,9 @@ import sys
 import time
 
 from specverify import cli
+from specverify.cost_model import CostModel
 from specverify.engine.llm_engine import LLMEngine
+from specverify.planner import AdaptivePlanner
 
 
 def main() -> int:
@@ -25,6 +27,35 @@ def main() -> int:
         return 2
     log = open(sys.argv[1], "w")  # noqa: SIM115 - open for the whole run
     step = LLMEngine.step
+    choose = AdaptivePlanner.choose_draft_depth
+    observe_draft = CostModel.observe_draft
+    observe_target = CostModel.observe_target
+    observe_plain = CostModel.observe_plain
+    inputs: dict = {}  # the planner's last inputs and this step's measured forwards
+
+    def logged_choose(planner: AdaptivePlanner, num_requests: int, *args, **kwargs):
+        inputs.clear()
+        inputs.update(
+            target_feed=kwargs.get("target_feed_tokens"),
+            draft_feed=kwargs.get("draft_feed_tokens"),
+            steady_requests=kwargs.get("steady_requests"),
+            forwards=[],
+        )
+        cost = planner.cost
+        if inputs["draft_feed"] is not None:
+            catchup = cost.draft_time(inputs["draft_feed"]) - cost.draft_time(num_requests)
+            inputs["catchup_predicted"] = round(float(catchup), 4)
+        if inputs["target_feed"] is not None:
+            prefill = cost.plain_time(inputs["target_feed"]) - cost.plain_time(num_requests)
+            inputs["prefill_predicted"] = round(float(prefill), 4)
+        return choose(planner, num_requests, *args, **kwargs)
+
+    def logged(kind: str, original):
+        def observe(cost: CostModel, tokens: int, seconds: float, *args):
+            inputs.setdefault("forwards", []).append([kind, int(tokens), round(float(seconds), 4)])
+            return original(cost, tokens, seconds, *args)
+
+        return observe
 
     def logged_step(engine: LLMEngine):
         if engine.planner is None:
@@ -50,12 +81,18 @@ def main() -> int:
             "value_of_time": round(planner.value_of_time, 2),
             "gain_factor": round(planner.gain_factor, 3),
             "verified": engine.stats.last_verify_budget,
+            **inputs,
         }
+        inputs.clear()
         log.write(json.dumps(row) + "\n")
         log.flush()
         return outputs
 
     LLMEngine.step = logged_step
+    AdaptivePlanner.choose_draft_depth = logged_choose
+    CostModel.observe_draft = logged("draft", observe_draft)
+    CostModel.observe_target = logged("target", observe_target)
+    CostModel.observe_plain = logged("plain", observe_plain)
     try:
         return cli.main(["bench", *sys.argv[2:]])
     finally:

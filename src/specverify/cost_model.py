@@ -1,8 +1,10 @@
 """Step-time cost model: how long one target forward over N flattened tokens, and one draft forward over a
 batch of B tokens, take on this machine.
 
-Start-up profile (see `profiling.py`) -> monotone piecewise-linear curve over the profiled token counts
-(linear extrapolation beyond the last one). Refined online from measured forwards:
+Start-up profile (see `profiling.py`) -> monotone piecewise-linear curve over the profiled token counts,
+extended by anchors doubling up to `extend_to` tokens (priced by the last profiled segment's slope; linear
+beyond). Prefills are much longer than any decode step the profile measures: their own anchors learn
+their times. Refined online from measured forwards:
 
     predicted(n) = cummax_over_anchors( profile(anchor) * exp(m + g + r[anchor]) ) interpolated at n
                    [+ beta * (context_tokens - context_ref)  for the target, when the context term is on]
@@ -56,11 +58,32 @@ def _isotonic(y: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(int(c), s / c) for s, c in blocks])
 
 
-class _Drift:
-    """The machine-wide log speed factor `m`, shared by the curves of one cost model."""
+def _extrapolated_anchors(x: np.ndarray, y: np.ndarray, extend_to: float) -> tuple[np.ndarray, np.ndarray]:
+    """Anchors doubling past the last profiled count up to `extend_to`, priced by the last segment's
+    slope. They learn like the others: a prefill of 500 tokens measured beyond a profile that stops at
+    128 must correct its own anchor, not the last profiled one (which would move every decode step
+    priced there, and the slope of every longer prefill with it)."""
+    if x.size < 2 or extend_to <= x[-1]:
+        return x, y
+    slope = max(0.0, (y[-1] - y[-2]) / (x[-1] - x[-2]))
+    extra = [x[-1] * 2.0]
+    while extra[-1] < extend_to:
+        extra.append(extra[-1] * 2.0)
+    extra_x = np.asarray(extra)
+    return np.concatenate([x, extra_x]), np.concatenate([y, y[-1] + slope * (extra_x - x[-1])])
 
-    def __init__(self, alpha: float) -> None:
+
+class _Drift:
+    """The machine-wide log speed factor `m`, shared by the curves of one cost model: what changed
+    lately. Each observation hands `decay` of it over to the observing curve's own level (leaving that
+    curve's prediction as it was), so a lasting change ends up with the curves that measured it. Without
+    that nothing pins `m`: any value fits the measured curves once their levels compensate, and the
+    unmeasured curve takes the whole wander (speculative steps alone drove it to +0.2, so plain decoding
+    was predicted 1.4x its measured time and speculation kept where it lost 8 %)."""
+
+    def __init__(self, alpha: float, half_life: float = math.inf) -> None:
         self.alpha = alpha
+        self.decay = 0.0 if math.isinf(half_life) else 1.0 - 0.5 ** (1.0 / half_life)
         self.value = 0.0
 
 
@@ -78,6 +101,7 @@ class _Curve:
         warmup: int,
         profile_weight: float = 1.0,
         early_clip: float = 1.0,
+        extend_to: float = 0.0,
         drift: _Drift | None = None,
     ) -> None:
         x = np.asarray(tokens, dtype=np.float64)
@@ -90,9 +114,8 @@ class _Curve:
         x, y = x[order], y[order]
         # Duplicate counts: average them (np.interp needs strictly increasing anchors).
         ux, inv = np.unique(x, return_inverse=True)
-        uy = np.bincount(inv, weights=y) / np.bincount(inv)
-        self.x = ux
-        self.base = _isotonic(uy)
+        uy = _isotonic(np.bincount(inv, weights=y) / np.bincount(inv))
+        self.x, self.base = _extrapolated_anchors(ux, uy, extend_to)
         self.log_base = np.log(self.base)
         self.resid = np.zeros_like(self.x)
         self.seen = np.zeros_like(self.x)  # observation weight per anchor
@@ -170,6 +193,9 @@ class _Curve:
         self.n_obs += 1
         if self.n_obs <= self.warmup:
             return False
+        handover = self.drift.decay * self.drift.value
+        self.drift.value -= handover
+        self.g += handover
         lo, hi, w = self._weights(n)
         r_n = (1.0 - w) * self.resid[lo] + w * self.resid[hi]
         log_ratio = math.log(seconds) - self.base_log(n)
@@ -240,10 +266,12 @@ class CostModel:
         alpha_global: float = 0.02,
         alpha_bucket: float = 0.02,
         alpha_drift: float = 0.1,
+        drift_half_life: float = 100.0,
         clip: float = 0.15,
         warmup: int = 3,
         profile_weight: float = 1.0,
         early_clip: float = 1.0,
+        extend_to: float = 8192.0,
         fit_context: bool = True,
         context_alpha: float = 0.02,
         context_min_r2: float = 0.1,
@@ -256,9 +284,11 @@ class CostModel:
             warmup=warmup,
             profile_weight=profile_weight,
             early_clip=early_clip,
+            extend_to=extend_to,
         )
         self.alpha_drift = alpha_drift
-        self.drift = _Drift(alpha_drift)
+        self.drift_half_life = drift_half_life
+        self.drift = _Drift(alpha_drift, drift_half_life)
         curve = dict(self._params, drift=self.drift)
         self.target = _Curve(np.asarray(target_tokens), np.asarray(target_seconds), **curve)
         # A plain step (no drafts) learns apart from the verify phase: verification carries overhead of
@@ -366,7 +396,7 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": 2,
-            "params": dict(self._params, alpha_drift=self.alpha_drift),
+            "params": dict(self._params, alpha_drift=self.alpha_drift, drift_half_life=self.drift_half_life),
             "drift": self.drift.value,
             "target": self.target.to_dict(),
             "plain": self.plain.to_dict(),

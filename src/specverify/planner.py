@@ -247,7 +247,8 @@ class AdaptivePlanner:
         over the steps the requests will still speculate: `remaining_tokens` (mean per request) over the
         steady plan's tokens per request and step, at most `catchup_horizon`, and not at all (charged
         whole) where the steady state at `steady_requests` (the batch once waiting requests have joined;
-        default: this one) says plain decoding: no later speculative step would reuse it.
+        default: this one), each of its requests paying a catch-up like these over the same horizon,
+        says plain decoding: no later speculative step would reuse it.
 
         Uses previous steps' survivals (extrapolated with `expected_p`, the recent mean acceptance per
         position) so heterogeneous requests are admitted top-first. Also fixes this step's admission
@@ -272,10 +273,21 @@ class AdaptivePlanner:
         if remaining_tokens is not None:
             per_step = float(steady_tokens[1:].max()) / r_count  # tokens per request and step, drafting
             horizon = min(horizon, max(1.0, float(remaining_tokens) / max(per_step, 1.0)))
+        # Would speculation pay in the steady state at the batch the joining requests make, each paying
+        # its draft catch-up over the horizon (the joining ones taken to lag like these)? If not, no
+        # later step reuses this step's catch-up: it is charged whole. Without the catch-up here, the
+        # first prefill step of a burst speculated (the steady state at 8 said drafting won by a hair),
+        # then the catch-up of the rest kept every later step plain: 1.2 s of draft prefill wasted.
         coming = r_count if steady_requests is None else max(int(steady_requests), r_count)
-        later = steady
-        if coming != r_count:  # a burst still joining: judge the steady state at the batch it makes
-            later, *_ = self._plan(coming, depths, pooled, context_tokens * coming // r_count)
+        scale = coming / r_count
+        later, *_ = self._plan(
+            coming,
+            depths,
+            pooled,
+            int(context_tokens * scale),
+            draft_feed=None if draft_feed_tokens is None else int(draft_feed_tokens * scale),
+            horizon=horizon,
+        )
         if not self._speculation_wins(later):
             horizon = 1.0
         score, tokens, budget, thresholds, seconds = self._plan(
