@@ -5,7 +5,10 @@
 The benchmark runs unchanged (same figures, same results.json); after every adaptive step one JSON line
 records the batch size, the chosen depth, whether it was a warm-up / probe step, the measured and
 predicted seconds and tokens, the cost model's plain and target predictions at this batch size, its
-shared drift and per-curve levels, the planner's value of time and gain factor, and the slots verified.
+shared drift and per-curve levels, the planner's value of time and gain factor, the slots verified,
+the planner's inputs (tokens each model had to consume first, the batch once waiting requests join) with
+the predicted draft catch-up and prefill, and every forward the cost model was fed ([curve, tokens,
+seconds]).
 Use it to see why the planner chose what it did where a point of the sweep disappoints.
 """
 
