@@ -122,7 +122,6 @@ class _Curve:
         ux, inv = np.unique(x, return_inverse=True)
         uy = _isotonic(np.bincount(inv, weights=y) / np.bincount(inv))
         self.x, self.base = _extrapolated_anchors(ux, uy, extend_to)
-        self.log_base = np.log(self.base)
         self.resid = np.zeros_like(self.x)
         self.seen = np.zeros_like(self.x)  # observation weight per anchor
         self.g = 0.0
