@@ -358,10 +358,31 @@ def test_table_shows_every_point_and_the_calibration(tmp_path: Path) -> None:
     results, _ = run_toy_bench(tmp_path, modes=("none", "adaptive"), concurrencies=(2,))
     table = format_table(results)
     assert "tok/s" in table and "x none" in table
-    # T=1, concurrency 2: one row per mode.
-    assert len([line for line in table.splitlines() if line.split()[:2] == ["1", "2"]]) == 2
+    main, profile = table.split("\n\n")
+    # T=1, concurrency 2: one row per mode, in the main table and in the step profile.
+    for part in (main, profile):
+        assert len([line for line in part.splitlines() if line.split()[:2] == ["1", "2"]]) == 2
     assert "ECE" in table and "AUC" in table and "raw q_max" in table
     assert results["runs"][1]["speedup_vs_fixed"] is None  # no fixed run
+
+
+def test_step_profile_accounts_for_the_step_time(tmp_path: Path) -> None:
+    results, _ = run_toy_bench(tmp_path, modes=("none", "adaptive"), concurrencies=(2,))
+    none, adaptive = results["runs"]
+    for run in (none, adaptive):
+        profile = run["profile"]
+        assert set(profile) == {
+            "draft_forward",
+            "draft_sampling",
+            "planning",
+            "target_forward",
+            "target_sampling",
+            "bookkeeping",
+        }
+        assert all(v >= 0 for v in profile.values())
+        assert sum(profile.values()) == pytest.approx(run["step_s"], rel=1e-6)
+    assert none["profile"]["draft_forward"] == 0 and none["profile"]["target_forward"] > 0
+    assert adaptive["profile"]["draft_forward"] > 0 and adaptive["profile"]["planning"] > 0
 
 
 def test_results_json_has_nulls_not_nans(tmp_path: Path) -> None:
@@ -418,8 +439,9 @@ def test_a_temperature_sweep_tags_every_run_and_interleaves_modes_within_it(two_
     assert (out / results["plots"]["throughput"]).read_bytes()[:8] == PNG_MAGIC
     table = format_table(results)
     assert "T=1,0" in table
+    main = table.split("\n\n")[0]
     for t in ("1", "0"):
-        assert len([line for line in table.splitlines() if line.split()[:1] == [t]]) == 6
+        assert len([line for line in main.splitlines() if line.split()[:1] == [t]]) == 6
 
 
 def test_ratios_compare_runs_of_the_same_temperature(two_temperature_bench) -> None:

@@ -61,11 +61,39 @@ def test_chi_square_catches_a_biased_verifier(monkeypatch) -> None:
     target_fn, draft_fn = toy_pair()
     real_verify = sampler.verify
 
-    def accept_all(draft_tokens, draft_probs, target_probs, num_verified, accept_u, final_u):
-        return real_verify(draft_tokens, draft_probs, target_probs, num_verified, accept_u * 0.0, final_u)
+    def accept_all(draft_tokens, draft, draft_row, target, target_row, num_verified, accept_u, final_u):
+        return real_verify(
+            draft_tokens, draft, draft_row, target, target_row, num_verified, accept_u * 0.0, final_u
+        )
 
     monkeypatch.setattr(sampler, "verify", accept_all)
     counts, _ = sample_engine(
         target_fn, draft_fn, params, SpeculativeConfig(num_speculative_tokens=2), N, LENGTH
     )
     assert chi_square_pvalue(counts, exact_distribution(target_fn, params, LENGTH)) < 1e-6
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_draft_restricted_to_part_of_the_vocabulary_stays_exact(adaptive: bool, monkeypatch) -> None:
+    """A draft LM head over a token subset (draft_vocab_size) proposes only those tokens; the target's
+    tokens outside it come from corrections and bonus tokens, and the output is still the target's."""
+    import exact
+
+    from specverify.models.toy import ToyRunner
+
+    params = CASES["temperature-0.7-top-p-0.8"]
+    target_fn, draft_fn = toy_pair()
+
+    class RestrictedDraft(ToyRunner):
+        def __init__(self, vocab_size, logits_fn, **kwargs):
+            super().__init__(vocab_size, logits_fn, **kwargs)
+            if logits_fn is draft_fn:
+                self.restrict_logits([0, 2, 3])
+
+    monkeypatch.setattr(exact, "ToyRunner", RestrictedDraft)
+    spec = SpeculativeConfig(num_speculative_tokens=3, enable_adaptive_verification=adaptive)
+    counts, engine = sample_engine(target_fn, draft_fn, params, spec, N, LENGTH)
+    assert engine.draft.logit_token_ids.tolist() == [0, 2, 3]
+    assert 0 < engine.stats.accepted_tokens < engine.stats.verified_tokens
+    assert {1, 4} & {t for seq in counts for t in seq}  # tokens the draft cannot propose still come
+    assert chi_square_pvalue(counts, exact_distribution(target_fn, params, LENGTH)) > ALPHA

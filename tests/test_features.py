@@ -173,8 +173,10 @@ def test_keeps_one_token_matches_the_sampling_distribution_and_the_top_p_rule():
     logits[::3, 7] += 12  # peaked rows: top-p keeps their top token alone
     for top_p, top_k, t in [(0.95, 0, 1.0), (0.8, 0, 0.7), (1.0, 1, 1.0), (0.9, 5, 1.0), (0.95, 0, 0.0)]:
         params = [SamplingParams(temperature=t, top_p=top_p, top_k=top_k)] * logits.shape[0]
-        q = sampler.probabilities(logits, params)
-        one = keeps_one_token(q).numpy()
+        sparse = sampler.probabilities(logits, params)
+        q = sparse.to_dense()
+        one = keeps_one_token(sparse).numpy()
+        assert np.array_equal(one, keeps_one_token(q).numpy())
         assert np.array_equal(one, (q > 0).sum(dim=1).numpy() == 1)
         if t == 0.0 or top_k == 1:
             assert one.all()  # greedy drafts and top-k 1 are one-hot

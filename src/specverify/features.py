@@ -264,10 +264,12 @@ def all_features(
     return {name: _output(v, lead, is_numpy) for name, v in values.items()}
 
 
-def keeps_one_token(probs: torch.Tensor) -> torch.Tensor:
-    """Rows of sampling distributions (after temperature, top-k, top-p; greedy rows one-hot) that put all
-    their mass on one token. A single kept token renormalises to exactly 1.0."""
-    return probs.amax(dim=-1) >= 1.0
+def keeps_one_token(probs) -> torch.Tensor:
+    """Rows of sampling distributions (after temperature, top-k, top-p; greedy rows one-hot), a
+    `SparseRows` or a dense [N, V] tensor, that put all their mass on one token."""
+    if isinstance(probs, torch.Tensor):
+        return probs.amax(dim=-1) >= 1.0  # a single kept token renormalises to exactly 1.0
+    return probs.counts() == 1
 
 
 def acceptance_feature(

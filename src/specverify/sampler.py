@@ -1,7 +1,8 @@
 """Sampling and lossless speculative verification, free of model code.
 
-Everything here works on float32 probability rows `[N, V]` and per-row uniforms, so each request can draw
-its randomness from its own generator while the arithmetic stays batched.
+Distributions live on their kept support (`sparse.SparseRows`): a row after top-p keeps a handful of
+tokens, a greedy row one, so no step builds dense [R, K + 1, V] probability tensors. Each request draws
+its randomness from its own generator (one uniform per row); the arithmetic stays batched.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from collections.abc import Sequence
 import torch
 
 from specverify.sampling_params import SamplingParams
+from specverify.sparse import SparseRows, residual, sample
 
-# Top-p first looks at this many best tokens per row; rows whose mass there stays below top_p fall back
-# to a full sort. Exact either way, and cheap for the peaked distributions of real models.
-_TOP_P_PROBE = 256
+__all__ = ["SparseRows", "apply_target_transforms", "probabilities", "sample", "verify"]
+
+# Top-k / top-p first look for their kept set among this many best tokens per row, then 16x more, then
+# the whole vocabulary. Exact either way, and cheap for the peaked distributions of real models.
+_PROBE = 64
 
 
 def apply_target_transforms(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -30,109 +34,122 @@ def apply_target_transforms(logits: torch.Tensor, params: Sequence[SamplingParam
     return logits
 
 
-def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The distribution each row's request samples from: temperature, then top-k, then top-p.
-
-    Greedy rows (temperature 0) become one-hot on the argmax, so greedy verification is exact match
-    under the same rejection rule as sampling.
-    """
-    logits = logits.float()
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> SparseRows:
+    """The distribution each row's request samples from: temperature, then top-k, then top-p, on its
+    kept support. Greedy rows keep their argmax alone, so greedy verification is exact match under the
+    same rejection rule as sampling. `logits` [N, V] is read, never written."""
     n, vocab = logits.shape
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(top_k):
-        scaled = _apply_top_k(scaled, top_k)
-    probs = torch.softmax(scaled, dim=-1)
-    top_p = [p.top_p for p in params]
-    if any(tp < 1.0 for tp in top_p):
-        probs = _apply_top_p(probs, top_p)
-    if greedy.any():
-        one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    logits = logits.float()
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    cut = [i for i, p in enumerate(params) if p.temperature > 0 and _cuts(p, vocab)]
+    whole = [i for i, p in enumerate(params) if p.temperature > 0 and not _cuts(p, vocab)]
+    parts = []  # (rows, counts, tokens, probs): each row's entries one segment, tokens ascending
+    if greedy:
+        rows = torch.tensor(greedy)
+        ones = torch.ones(len(greedy), dtype=torch.long)
+        parts.append((rows, ones, logits[rows].argmax(dim=1), torch.ones(len(greedy))))
+    if cut:
+        parts.extend(_kept_support(logits, cut, [params[i] for i in cut]))
+    if whole:
+        rows = torch.tensor(whole)
+        probs = torch.softmax(_scaled(logits, whole, [params[i] for i in whole]), dim=1)
+        counts = torch.full((len(whole),), vocab)
+        parts.append((rows, counts, torch.arange(vocab).repeat(len(whole)), probs.reshape(-1)))
+    rows, counts, tokens, probs = (torch.cat(x) for x in zip(*parts, strict=True))
+    return SparseRows.from_segments(rows, counts, tokens, probs, n, vocab)
 
 
-def _apply_top_k(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    k_max = max(top_k)
-    kth = torch.topk(scaled, k_max, dim=-1).values
-    ks = torch.tensor([k if k else k_max for k in top_k], device=scaled.device)
-    threshold = kth.gather(1, (ks - 1)[:, None])
-    cut = torch.tensor([k > 0 for k in top_k], device=scaled.device)[:, None] & (scaled < threshold)
-    return scaled.masked_fill(cut, float("-inf"))
+def _cuts(p: SamplingParams, vocab: int) -> bool:
+    return p.top_p < 1.0 or 0 < p.top_k < vocab
 
 
-def _apply_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Keep the smallest prefix of tokens (by descending probability) whose mass reaches top_p."""
-    vocab = probs.shape[1]
-    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)
-    out = probs.clone()
-    pending = (limit < 1.0).nonzero().squeeze(1)
-    # Look at the best few tokens first and widen only for the rows that need it: a full sort of a
-    # 152k vocabulary costs ~50 ms a row, a top-256 a fraction of that, and real rows are peaked.
-    for probe in (_TOP_P_PROBE, 16 * _TOP_P_PROBE, vocab):
-        if pending.numel() == 0:
-            break
-        probe = min(probe, vocab)
-        values, indices = torch.topk(probs[pending], probe, dim=-1)
-        done = (values.sum(dim=-1) >= limit[pending]) | (probe == vocab)
-        rows = pending[done]
-        if rows.numel():
-            v, i = values[done], indices[done]
-            # A token stays if the mass strictly before it is below top_p.
-            kept = torch.where(torch.cumsum(v, dim=-1) - v < limit[rows, None], v, torch.zeros_like(v))
-            out[rows] = torch.zeros_like(out[rows]).scatter_(1, i, kept)
+def _scaled(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits[rows] / T (no division where every T is 1)."""
+    picked = logits[rows] if len(rows) < logits.shape[0] else logits
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    return picked if bool((temps == 1).all()) else picked / temps[:, None]
+
+
+def _kept_support(
+    logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Top-k then top-p (on the renormalised top-k distribution), as vLLM and HF define them: keep the
+    smallest prefix of the descending tokens whose mass reaches top_p, a token staying iff the mass
+    strictly before it is below top_p. Only each row's head is sorted; a row widens only while its head
+    holds less than top_p of the mass. Returns segments for `SparseRows.from_segments`."""
+    vocab = logits.shape[1]
+    z = _scaled(logits, rows, params)
+    lse = torch.logsumexp(z, dim=1).double()
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    index = torch.tensor(rows)
+    pending = torch.arange(len(rows))
+    segments = []
+    width = _PROBE
+    while pending.numel():
+        cut_k = top_k[pending][top_k[pending] < vocab]
+        width = min(vocab, max(width, int(cut_k.max()) if cut_k.numel() else 0))
+        values, tokens = torch.topk(z[pending], width, dim=1)
+        p = torch.exp(values.double() - lse[pending, None])
+        in_k = torch.arange(width)[None, :] < top_k[pending, None]
+        p = p * in_k
+        inclusive = torch.cumsum(p, dim=1)
+        k_inside = top_k[pending] <= width
+        mass_k = torch.where(k_inside, inclusive[:, -1], torch.ones_like(lse[pending]))
+        threshold = top_p[pending] * mass_k
+        keep = in_k & (inclusive - p < threshold[:, None]) & (p > 0)
+        done = k_inside | (inclusive[:, -1] >= threshold) | (width == vocab)
+        keep, tokens, p = keep[done], tokens[done], p[done]
+        p = (p * keep) / (p * keep).sum(dim=1, keepdim=True)
+        # Kept tokens in ascending id order: dropped ones get the id `vocab` and sort last.
+        tokens, order = torch.sort(torch.where(keep, tokens, vocab), dim=1)
+        counts = keep.sum(dim=1)
+        first = torch.arange(width)[None, :] < counts[:, None]
+        segments.append((index[pending[done]], counts, tokens[first], p.gather(1, order)[first].float()))
         pending = pending[~done]
-    return out / out.sum(dim=-1, keepdim=True)
-
-
-def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling, one uniform per row; tokens of probability 0 are never drawn."""
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    target = uniforms.double().to(probs.device) * cdf[:, -1]
-    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
-    return tokens.clamp_(max=probs.shape[1] - 1)
+        width *= 16
+    return segments
 
 
 def verify(
     draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
+    draft: SparseRows,
+    draft_row: torch.Tensor,
+    target: SparseRows,
+    target_row: torch.Tensor,
     num_verified: torch.Tensor,
     accept_uniforms: torch.Tensor,
     final_uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative verification for a batch of requests.
 
-    draft_tokens [R, D]; draft_probs [R, D, V] (the distributions the drafts were drawn from);
-    target_probs [R, D + 1, V] (row j is the target at the position of draft j, row n the bonus position);
-    num_verified [R] slots verified per request (a prefix, n <= D); uniforms [R, D] and [R].
+    draft_tokens [R, D]; `draft` holds the distributions the drafts were drawn from, slot (r, k) in row
+    draft_row[r, k]; `target` the target's, position j of request r (j = D: the bonus position) in row
+    target_row[r, j] (any value where unverified); num_verified [R] slots verified per request (a
+    prefix, n <= drafted); uniforms [R, D] and [R].
     Returns (num_accepted [R], final_token [R]): the request keeps drafts[:a] then final_token, drawn from
     the residual max(p - q, 0) at the first rejection, or from the target itself after n accepted drafts.
     """
     r_count, depth = draft_tokens.shape
-    rows = torch.arange(r_count, device=draft_tokens.device)
+    rows = torch.arange(r_count)
     if depth:
-        index = draft_tokens[:, :, None]
-        p_tok = target_probs[:, :depth].gather(2, index).squeeze(2)
-        q_tok = draft_probs.gather(2, index).squeeze(2)
+        slots = torch.arange(depth)[None, :]
+        verified = slots < num_verified[:, None]
+        p_tok = target.prob(torch.where(verified, target_row[:, :depth], 0), draft_tokens)
+        q_tok = draft.prob(torch.where(verified, draft_row, 0), draft_tokens)
         # Accept with probability min(1, p/q); written as a product so q = 0 never divides.
-        accepted = accept_uniforms * q_tok < p_tok
-        slots = torch.arange(depth, device=draft_tokens.device)[None, :]
-        accepted &= slots < num_verified[:, None]
+        accepted = (accept_uniforms.double() * q_tok < p_tok) & verified
         num_accepted = torch.cumprod(accepted.int(), dim=1).sum(dim=1)
     else:
-        num_accepted = torch.zeros(r_count, dtype=torch.long, device=draft_tokens.device)
-    p_final = target_probs[rows, num_accepted]
+        num_accepted = torch.zeros(r_count, dtype=torch.long)
+    final_rows = target_row[rows, num_accepted]
     rejected = num_accepted < num_verified
-    if depth and rejected.any():
-        q_at = draft_probs[rows, num_accepted.clamp(max=depth - 1)]
-        residual = (p_final - q_at).clamp_(min=0.0)
-        mass = residual.sum(dim=-1, keepdim=True)
-        # Float round-off can leave no residual mass when p and q nearly agree; p itself is then exact
-        # to that precision.
-        residual = torch.where(mass > 0, residual, p_final)
-        p_final = torch.where(rejected[:, None], residual, p_final)
-    return num_accepted, sample(p_final, final_uniforms)
+    final = torch.empty(r_count, dtype=torch.long)
+    plain = ~rejected
+    if plain.any():
+        final[plain] = sample(target.select(final_rows[plain]), final_uniforms[plain])
+    if rejected.any():
+        at = num_accepted[rejected]
+        correction = residual(target.select(final_rows[rejected]), draft.select(draft_row[rejected, at]))
+        final[rejected] = sample(correction, final_uniforms[rejected])
+    return num_accepted, final

@@ -243,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         args.device,
         args.max_model_len,
         progress=progress,
+        draft_vocab_size=spec.draft_vocab_size if spec else None,
+        draft_quantization=spec.draft_quantization if spec else None,
     )
     prompt_ids = encode_prompts(models.tokenizer, prompts)
     chat = has_chat_template(models.tokenizer)

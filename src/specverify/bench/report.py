@@ -57,6 +57,12 @@ results.json schema (stable: fields may be added, never renamed or removed)
                                       # predicted vs measured seconds and tokens: {"steps",
                                       # "predicted_seconds", "measured_seconds", "expected_tokens",
                                       # "tokens"}
+      "profile": {...},               # (added) where the run's step time went, seconds summed over
+                                      # its steps: "draft_forward", "draft_sampling" (draft
+                                      # probabilities, sampling, features), "planning" (planner and
+                                      # estimator), "target_forward", "target_sampling" (target
+                                      # probabilities, verification), "bookkeeping" (the rest:
+                                      # scheduling, KV truncation, emit, detokenising)
       "mean_tokens_per_step": float,  # output_tokens / request_steps: tokens per request per step
       "verified_over_drafted": float | null,
       "acceptance_rate": float | null,            # accepted / verified
@@ -262,6 +268,7 @@ def format_table(results: dict) -> str:
         "steps without prefill only. x none / x fixed: ratio to that mode at the same temperature and "
         "concurrency. tok/step: tokens per request per step. plan %: planner time over step time."
     )
+    text.extend(["", *format_profile(results)])
     cfg = results.get("config", {})
     text.insert(
         0,
@@ -279,6 +286,53 @@ def format_table(results: dict) -> str:
             f"ECE {_fmt(cal.get('raw_qmax_ece'), '.4f')}  AUC {_fmt(cal.get('raw_qmax_auc'), '.4f')}"
         )
     return "\n".join(text)
+
+
+_PROFILE_COLUMNS = {
+    "draft_forward": "draft fwd",
+    "draft_sampling": "draft sample",
+    "planning": "plan",
+    "target_forward": "target fwd",
+    "target_sampling": "target sample+verify",
+    "bookkeeping": "bookkeeping",
+}
+
+
+def format_profile(results: dict) -> list[str]:
+    """Where each run's step time went: ms per step in each phase, then the phase's share."""
+    header = ["T", "conc", "mode", "ms/step", *_PROFILE_COLUMNS.values()]
+    rows = []
+    for r in results["runs"]:
+        profile, steps = r.get("profile") or {}, r.get("steps") or 0
+        if not profile or not steps:
+            continue
+        total = sum(profile.values()) or 1.0
+        cells = [
+            f"{1000 * profile.get(name, 0.0) / steps:.1f} ({100 * profile.get(name, 0.0) / total:.0f}%)"
+            for name in _PROFILE_COLUMNS
+        ]
+        rows.append(
+            [
+                _fmt(r.get("temperature"), "g"),
+                str(r["concurrency"]),
+                r["mode"],
+                f"{1000 * total / steps:.1f}",
+                *cells,
+            ]
+        )
+    if not rows:
+        return []
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in [header, ["-" * w for w in widths], *rows]
+    ]
+    lines.append(
+        "step profile: ms per step in each phase (share of step time); bookkeeping is the rest of the step."
+    )
+    return lines
 
 
 # ---- plots ------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from specverify.calibration import RollingCalibration, scores
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
-from specverify.engine.llm_engine import EngineStats, LLMEngine, PlanCheck
+from specverify.engine.llm_engine import EngineStats, LLMEngine, PlanCheck, StepProfile
 from specverify.sampling_params import SamplingParams
 
 MODES = ("none", "fixed", "adaptive")
@@ -150,6 +150,8 @@ class RunResult:
     # Adaptive only: the planner's predicted vs measured seconds and tokens of the steps it chose,
     # {"speculative" | "plain": {steps, predicted_seconds, measured_seconds, expected_tokens, tokens}}.
     plan_check: dict[str, dict[str, float]] | None = None
+    # Where the mode's step time went, seconds summed over its steps (EngineStats.profile's fields).
+    profile: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,6 +183,13 @@ def _sum_positions(lists: Sequence[Sequence[int]]) -> list[int]:
         for k, n in enumerate(counts):
             total[k] += int(n)
     return total
+
+
+def _sum_profiles(stats: Sequence[EngineStats]) -> dict[str, float]:
+    total = StepProfile()
+    for st in stats:
+        total.add(st.profile)
+    return asdict(total)
 
 
 def _sum_plan_checks(stats: Sequence[EngineStats]) -> dict[str, dict[str, float]]:
@@ -497,6 +506,7 @@ class BenchRunner:
             decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
             rounds=len(rounds),
             plan_check=_sum_plan_checks([r.stats for r in rounds]) if mode == "adaptive" else None,
+            profile=_sum_profiles([r.stats for r in rounds]),
         )
 
     def run(

@@ -48,6 +48,12 @@ _PLAIN_MIN_OBS = 3
 _PLAIN_PROBE_EVERY = 64
 
 
+def _add_fields(into, other) -> None:
+    """Add a dataclass's numeric fields into another of its kind."""
+    for f in fields(into):
+        setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))
+
+
 class PromptError(ValueError):
     """The prompt is empty, too long for the model, or holds invalid token ids."""
 
@@ -73,8 +79,23 @@ class PlanCheck:
     tokens: int = 0
 
     def add(self, other: PlanCheck) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        _add_fields(self, other)
+
+
+@dataclass
+class StepProfile:
+    """Where step time goes, summed over steps (seconds). `bookkeeping` is the rest of each step:
+    scheduling, KV truncation, emitting tokens, detokenising."""
+
+    draft_forward: float = 0.0
+    draft_sampling: float = 0.0  # draft probabilities, sampling, features
+    planning: float = 0.0  # planner and estimator
+    target_forward: float = 0.0
+    target_sampling: float = 0.0  # target probabilities, verification
+    bookkeeping: float = 0.0
+
+    def add(self, other: StepProfile) -> None:
+        _add_fields(self, other)
 
 
 @dataclass
@@ -91,6 +112,7 @@ class EngineStats:
     accepted_per_position: list[int] = field(default_factory=list)
     step_seconds_total: float = 0.0
     planning_seconds_total: float = 0.0
+    profile: StepProfile = field(default_factory=StepProfile)
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
     last_draft_depth: int = 0
@@ -341,8 +363,12 @@ class LLMEngine:
         self.scheduler.finish([r for r in running if r.finished])
         elapsed = time.perf_counter() - start
         stats = self.stats
+        profile = stats.profile
+        profile.planning = stats.planning_seconds_total
+        measured = sum(getattr(profile, f.name) for f in fields(profile) if f.name != "bookkeeping")
         stats.steps += 1
         stats.step_seconds_total += elapsed
+        profile.bookkeeping = stats.step_seconds_total - measured
         stats.last_step_seconds = elapsed
         stats.last_batch_size = len(running)
         stats.last_draft_depth = depth
@@ -476,17 +502,23 @@ class LLMEngine:
     def _plain_step(self, running: list[Request]) -> list[list[int]]:
         params = [r.params for r in running]
         feeds = self._feeds(self.target, running)
+        profile = self.stats.profile
         start = time.perf_counter()
         logits = self.target.forward([r.seq_id for r in running], feeds, [1] * len(running))
+        forwarded = time.perf_counter()
         probs = sampler.probabilities(sampler.apply_target_transforms(logits, params), params)
         tokens = sampler.sample(probs, self._uniforms(running, 1)[:, 0])
+        done = time.perf_counter()
+        profile.target_forward += forwarded - start
+        profile.target_sampling += done - forwarded
         if self.planner is not None:
             # Plain steps keep their own cost curve fresh (speculation may be off at this load).
-            self.planner.cost.observe_plain(sum(map(len, feeds)), time.perf_counter() - start)
+            self.planner.cost.observe_plain(sum(map(len, feeds)), done - start)
         return [[t] for t in tokens.tolist()]
 
     def _speculative_step(self, running: list[Request], depth: int, greedy: np.ndarray) -> list[list[int]]:
-        r_count, vocab = len(running), self.target.vocab_size
+        r_count = len(running)
+        profile = self.stats.profile
         # Never draft past what the request may still emit, nor past the context window.
         caps = np.array(
             [max(0, min(depth, r.remaining - 1, self.max_model_len - r.num_tokens)) for r in running]
@@ -496,7 +528,9 @@ class LLMEngine:
             probed[self._probe_rows] = True
             caps[~probed] = 0
         draft_tokens = torch.zeros(r_count, depth, dtype=torch.long)
-        draft_probs = torch.zeros(r_count, depth, vocab)
+        # Slot (r, k)'s draft distribution is row draft_row[r, k] of the slots' rows stacked in order.
+        draft_dists: list[sampler.SparseRows] = []
+        draft_row = torch.zeros(r_count, depth, dtype=torch.long)
         features = np.full((r_count, depth), np.nan)
         raw_qmax = np.full((r_count, depth), np.nan)
         survival = np.ones((r_count, depth))
@@ -504,6 +538,7 @@ class LLMEngine:
         keep_going = np.ones(r_count, dtype=bool)
         trace_features: dict[str, np.ndarray] | None = None
         draft_timings: list[tuple[int, float]] = []
+        subset = getattr(self.draft, "logit_token_ids", None)  # a draft LM head over part of the vocabulary
         for k in range(depth):
             draft_start = time.perf_counter()
             active = np.flatnonzero((caps > k) & keep_going)
@@ -515,19 +550,24 @@ class LLMEngine:
             else:
                 feeds = [[int(draft_tokens[i, k - 1])] for i in active]
             logits = self.draft.forward([r.seq_id for r in reqs], feeds, [1] * len(reqs))
+            forwarded = time.perf_counter()
             fed = sum(map(len, feeds))
             params = [r.params for r in reqs]
             q = sampler.probabilities(logits, params)
-            tokens = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
+            if subset is not None:
+                q = q.map_tokens(subset, self.target.vocab_size)
             idx = torch.from_numpy(active)
-            draft_tokens[idx, k] = tokens
-            draft_probs[idx, k] = q
+            draft_tokens[idx, k] = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
+            draft_row[idx, k] = torch.arange(len(active)) + sum(d.num_rows for d in draft_dists)
+            draft_dists.append(q)
             drafted[active] += 1
             features[active, k], raw_qmax[active, k], one_token = self._slot_features(logits, params, q)
             if self.trace is not None:
                 trace_features = self._trace_features(
                     trace_features, logits, params, one_token, active, k, r_count, depth
                 )
+            profile.draft_forward += forwarded - draft_start
+            profile.draft_sampling += time.perf_counter() - forwarded
             if self.planner is not None:
                 # Only distributions up to slot k (and so tokens before k) decide whether to draft k + 1.
                 start = time.perf_counter()
@@ -545,25 +585,30 @@ class LLMEngine:
         ]
         verify_start = time.perf_counter()
         logits = self.target.forward([r.seq_id for r in running], target_feeds, (num_verified + 1).tolist())
+        forwarded = time.perf_counter()
         row_params = [r.params for r, n in zip(running, num_verified, strict=True) for _ in range(n + 1)]
-        probs = sampler.probabilities(sampler.apply_target_transforms(logits, row_params), row_params)
-        target_probs = torch.zeros(r_count, depth + 1, vocab)
-        rows = torch.tensor([j for n in num_verified for j in range(n + 1)])
-        owners = torch.repeat_interleave(torch.arange(r_count), torch.from_numpy(num_verified + 1))
-        target_probs[owners, rows] = probs
+        target = sampler.probabilities(sampler.apply_target_transforms(logits, row_params), row_params)
+        # Position j of request r is row first[r] + j of the target's rows.
+        first = torch.from_numpy(np.concatenate([[0], np.cumsum(num_verified + 1)[:-1]]))
+        target_row = first[:, None] + torch.arange(depth + 1)[None, :]
         uniforms = self._uniforms(running, depth + 1)
         accepted, final = sampler.verify(
             draft_tokens,
-            draft_probs,
-            target_probs,
+            sampler.SparseRows.cat(draft_dists, self.target.vocab_size),
+            draft_row,
+            target,
+            target_row,
             torch.from_numpy(num_verified),
             uniforms[:, :depth],
             uniforms[:, depth],
         )
         accepted_np = accepted.numpy()
+        verified_at = time.perf_counter()
+        profile.target_forward += forwarded - verify_start
+        profile.target_sampling += verified_at - forwarded
         timing = StepTiming(
             target_tokens=sum(len(f) for f in target_feeds),
-            target_seconds=time.perf_counter() - verify_start,
+            target_seconds=verified_at - verify_start,
             draft_forwards=draft_timings,
             context_tokens=sum(r.num_tokens for r in running),
         )
@@ -592,7 +637,7 @@ class LLMEngine:
         return new_tokens
 
     def _slot_features(
-        self, logits: torch.Tensor, params: list[SamplingParams], q: torch.Tensor
+        self, logits: torch.Tensor, params: list[SamplingParams], q: sampler.SparseRows
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(estimator feature, raw q_max, keeps one token) per row of one draft slot.
 

@@ -38,3 +38,22 @@ class ModelRunner(Protocol):
     def release(self, seq_id: int) -> None:
         """Forget the sequence and free its cache (unknown ids are ignored)."""
         ...
+
+
+def check_logit_token_ids(token_ids, vocab_size: int) -> torch.Tensor:
+    """The ids a runner's `restrict_logits` narrows its logits to, as int64 on the CPU: a non-empty,
+    strictly increasing (sorted, no repeats) 1-D sequence within the vocabulary, or ValueError."""
+    ids = torch.as_tensor(token_ids)
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(
+            f"restrict_logits takes a non-empty 1-D sequence of integer token ids, got {ids.dtype} of "
+            f"shape {tuple(ids.shape)}"
+        )
+    ids = ids.to(device="cpu", dtype=torch.long)
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(
+            f"restrict_logits: token ids must lie in [0, {vocab_size}), got {ids.tolist()[:8]}..."
+        )
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("restrict_logits: token ids must be strictly increasing (sorted, no repeats)")
+    return ids

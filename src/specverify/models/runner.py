@@ -2,7 +2,8 @@
 
 Owns one growable KV cache per sequence id, turns the engine's lists of token ids into one flattened
 ragged batch, and returns float32 logits only for the rows asked for. Validation happens before any
-cache is touched, so a rejected call leaves every sequence as it was.
+cache is touched, so a rejected call leaves every sequence as it was. `restrict_logits` narrows the LM
+head to a subset of token ids (a frequency-ranked draft vocabulary, see `draft_vocab.py`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .llama import KVCache, LlamaModel, SeqChunk, can_pack_weights
+from .base import check_logit_token_ids
+from .llama import KVCache, LlamaModel, PackedWeight, SeqChunk, can_pack_weights
 from .model_config import ModelConfig
+from .quant import QuantizedWeight, quantizable
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -83,6 +86,37 @@ class TorchModelRunner:
         if self.packed_weights:
             self.model.pack_weights()
         self._caches: dict[int, KVCache] = {}
+        # `restrict_logits`: the token id of each logit column (None: all) and the LM head holding only
+        # those rows (None: the model's own).
+        self.logit_token_ids: torch.Tensor | None = None
+        self._head: torch.Tensor | PackedWeight | QuantizedWeight | None = None
+
+    @property
+    def num_logit_columns(self) -> int:
+        """Width of `forward`'s logits: the vocabulary, or the subset given to `restrict_logits`."""
+        return self.vocab_size if self.logit_token_ids is None else len(self.logit_token_ids)
+
+    def restrict_logits(self, token_ids: torch.Tensor | Sequence[int] | None) -> None:
+        """From now on `forward` returns logits for `token_ids` only (strictly increasing, within the
+        vocabulary): column j is token `token_ids[j]`, shape [rows, len(token_ids)]; None restores the
+        whole vocabulary. The head's rows are copied once into a smaller matrix (oneDNN-packed when the
+        model is); the full head and the embedding table stay as they were, so token lookups, other
+        runners sharing the model and a later `restrict_logits(None)` are unaffected. Input token ids
+        are still validated against the whole vocabulary."""
+        if token_ids is None:
+            self.logit_token_ids, self._head = None, None
+            return
+        ids = check_logit_token_ids(token_ids, self.vocab_size)
+        full = self.model.embed if self.model.lm_head is None else self.model.lm_head
+        quantized = full if isinstance(full, QuantizedWeight) else None
+        dense = quantized.dense if quantized is not None else full
+        plain = dense.packed.to_dense() if isinstance(dense, PackedWeight) else dense.detach()
+        rows = plain.index_select(0, ids.to(plain.device)).contiguous()
+        head = PackedWeight(rows) if isinstance(dense, PackedWeight) else rows
+        if quantized is not None and quantizable(rows.shape, quantized.bits, quantized.group_size):
+            # The subset's head is as quantized as the whole one.
+            head = QuantizedWeight(rows, head, quantized.bits, quantized.group_size, quantized.max_rows)
+        self.logit_token_ids, self._head = ids.to(self.device), head
 
     # ------------------------------------------------------------------ protocol
     def forward(
@@ -124,7 +158,7 @@ class TorchModelRunner:
                 raise ValueError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
 
         if not flat:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return torch.empty(0, self.num_logit_columns, dtype=torch.float32, device=self.device)
         chunks = []
         for sid, start, end in spans:
             if start == end:
@@ -141,7 +175,7 @@ class TorchModelRunner:
             rows = None
             if len(logit_rows) < len(flat):  # skip the gather when every row's logits are wanted
                 rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-            out = self.model(input_ids, pos, chunks, rows).float()
+            out = self.model(input_ids, pos, chunks, rows, head=self._head).float()
         for chunk in chunks:
             chunk.cache.length += chunk.end - chunk.start
         return out

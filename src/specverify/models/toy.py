@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .base import check_logit_token_ids
+
 LogitsFn = Callable[[tuple[int, ...]], torch.Tensor]
 
 
@@ -19,6 +21,19 @@ class ToyRunner:
         self.logits_fn = logits_fn
         self.caches: dict[int, list[int]] = {}
         self.tokens_processed = 0
+        self.logit_token_ids: torch.Tensor | None = None  # see restrict_logits
+
+    @property
+    def num_logit_columns(self) -> int:
+        return self.vocab_size if self.logit_token_ids is None else len(self.logit_token_ids)
+
+    def restrict_logits(self, token_ids: torch.Tensor | Sequence[int] | None) -> None:
+        """As `TorchModelRunner.restrict_logits`: `forward` returns the columns of `token_ids` only
+        (strictly increasing, within the vocabulary); None restores the whole vocabulary."""
+        if token_ids is None:
+            self.logit_token_ids = None
+            return
+        self.logit_token_ids = check_logit_token_ids(token_ids, self.vocab_size)
 
     def forward(
         self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], num_logits: Sequence[int]
@@ -34,7 +49,10 @@ class ToyRunner:
             self.tokens_processed += len(new)
             for end in range(len(cache) - n + 1, len(cache) + 1):
                 rows.append(self.logits_fn(tuple(cache[:end])).float())
-        return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+        if not rows:
+            return torch.empty(0, self.num_logit_columns)
+        out = torch.stack(rows)
+        return out if self.logit_token_ids is None else out[:, self.logit_token_ids]
 
     def cache_length(self, seq_id: int) -> int:
         return len(self.caches.get(seq_id, ()))

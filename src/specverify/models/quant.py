@@ -1,0 +1,106 @@
+"""Weight-only quantized matmuls for small row counts (CPU).
+
+At the few rows of a draft step a matmul is bound by reading the weight from memory, so int4 weights
+(a quarter of bf16's bytes) run ~2x faster there; at more rows the int4 kernel's compute catches up and
+oneDNN's packed bf16 GEMM wins. A `QuantizedWeight` therefore keeps both copies and picks by row count
+(`linear` in `llama.py` does the dispatch). Weight-only quantization changes the draft's distribution
+slightly, never the output: verification against the target stays lossless.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .llama import PackedWeight
+
+# The CPU int4 kernel's limits: N a multiple of 16, K a multiple of the group size, these group sizes.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class QuantizedWeight:
+    """A weight [N, K] as int8 (symmetric, one scale per output channel) or int4 (asymmetric, a scale
+    and zero per `group_size` inputs), next to its bf16 form `dense` (a `PackedWeight` or the plain
+    tensor, kept for `rows > max_rows`)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        dense: torch.Tensor | PackedWeight,
+        bits: int = 4,
+        group_size: int = 32,
+        max_rows: int = 4,
+    ) -> None:
+        if not quantizable(weight.shape, bits, group_size):
+            raise ValueError(
+                f"cannot quantize a weight of shape {tuple(weight.shape)} to {bits} bits, g{group_size}"
+            )
+        self.shape, self.bits, self.group_size, self.max_rows = weight.shape, bits, group_size, max_rows
+        self.dense = dense
+        w = weight.detach().float()
+        dtype = weight.dtype  # the kernels want scales in the activations' dtype
+        if bits == 8:
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+            self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            self.scales = scale.to(dtype)
+        else:
+            n, k = w.shape
+            g = w.view(n, k // group_size, group_size)
+            lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+            scale = (hi - lo).clamp(min=1e-12) / 15
+            q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+            self.qweight = torch._convert_weight_to_int4pack_for_cpu(
+                q, 8
+            )  # innerKTiles: no effect on CPU (1-8 agree)
+            # The kernel computes (q - 8) * scale + zero, so zero is the value code 8 stands for.
+            self.scales = torch.stack((scale, lo + 8 * scale), dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] through the quantized kernel (whatever M is)."""
+        if self.bits == 8:
+            out = torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.scales)
+        return out if bias is None else out + bias
+
+    def nbytes(self) -> int:
+        """Bytes of the quantized copy (on top of `dense`)."""
+        return (
+            self.qweight.numel() * self.qweight.element_size()
+            + self.scales.numel() * self.scales.element_size()
+        )
+
+
+def quantizable(shape: torch.Size | tuple[int, ...], bits: int, group_size: int = 32) -> bool:
+    if bits == 8:
+        return len(shape) == 2
+    if bits == 4:
+        return (
+            len(shape) == 2
+            and shape[0] % 16 == 0
+            and group_size in INT4_GROUP_SIZES
+            and shape[1] % group_size == 0
+        )
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def can_quantize_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the quantized CPU kernels run here and agree with a float matmul (they are PyTorch
+    internals: a build without them keeps the bf16 path)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(32, 64, generator=g).to(dtype)
+        x = torch.randn(3, 64, generator=g).to(dtype)
+        ref = x.float() @ w.float().T
+        return all(
+            torch.allclose(
+                QuantizedWeight(w, w, bits, 32).matmul(x).float(), ref, atol=0.15 * ref.abs().max()
+            )
+            for bits in (4, 8)
+        )
+    except (AttributeError, RuntimeError):
+        return False
