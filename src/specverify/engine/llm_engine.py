@@ -573,7 +573,8 @@ class LLMEngine:
                 start = time.perf_counter()
                 p = self._predict(features[active, : k + 1], greedy[active])[:, k]
                 survival[active, k] = (survival[active, k - 1] if k else 1.0) * p
-                keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
+                if not self._probing:  # warm-up and probes draft their whole depth: uncensored labels
+                    keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
                 self.stats.planning_seconds_total += time.perf_counter() - start
             draft_timings.append((fed, time.perf_counter() - draft_start))
         survival[np.arange(depth)[None, :] >= drafted[:, None]] = 0.0
