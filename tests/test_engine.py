@@ -311,7 +311,8 @@ def test_speculation_state_carries_the_planners_realised_gain() -> None:
 
 def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch) -> None:
     """With speculation chosen every step, plain steps still run: while plain decoding near this batch
-    size has fewer than 3 used measurements, and then one per _PLAIN_PROBE_EVERY speculative steps."""
+    size has fewer than 3 used measurements, and then one per _PLAIN_PROBE_EVERY speculative steps;
+    never on a step that prefills."""
     import specverify.engine.llm_engine as engine_module
     from specverify.cost_model import CostModel
 
@@ -330,7 +331,10 @@ def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch) -> None:
         depths.append(engine.stats.last_draft_depth)
     plain = [i for i, d in enumerate(depths) if d == 0]
     warmup = engine.planner.cost.plain.warmup
-    assert plain[: warmup + 3] == list(range(warmup + 3))  # measured first (after the curve's warm-up)
+    # The prefill step is never a plain probe (the draft would miss the prompts); right after it plain
+    # decoding is measured first (through the curve's warm-up).
+    assert depths[0] > 0
+    assert plain[: warmup + 3] == list(range(1, warmup + 4))
     gaps = np.diff(plain[warmup + 3 :])
     assert len(gaps) >= 3 and (gaps <= 10).all()  # then one every 8 speculative steps (+ tail batches)
     assert engine.planner.cost.plain_observations(4) >= 3

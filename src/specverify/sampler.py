@@ -39,7 +39,8 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Spa
     kept support. Greedy rows keep their argmax alone, so greedy verification is exact match under the
     same rejection rule as sampling. `logits` [N, V] is read, never written."""
     n, vocab = logits.shape
-    logits = logits.float()
+    # The rows' bookkeeping is small and lives on the CPU (a GPU runner's logits come over once).
+    logits = logits.float().cpu()
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     cut = [i for i, p in enumerate(params) if p.temperature > 0 and _cuts(p, vocab)]
     whole = [i for i, p in enumerate(params) if p.temperature > 0 and not _cuts(p, vocab)]

@@ -394,12 +394,13 @@ class LLMEngine:
         start = time.perf_counter()
         context = sum(r.num_tokens for r in running)
         draft_lags = np.array([r.num_tokens - self.draft.cache_length(r.seq_id) for r in running])
+        target_feed = sum(r.num_tokens - self.target.cache_length(r.seq_id) for r in running)
         depth = int(
             self.planner.choose_draft_depth(
                 len(running),
                 self._expected_acceptance(float(greedy.mean())),
                 context,
-                target_feed_tokens=sum(r.num_tokens - self.target.cache_length(r.seq_id) for r in running),
+                target_feed_tokens=target_feed,
                 draft_feed_tokens=int(draft_lags.sum()),
                 remaining_tokens=float(np.mean([r.remaining for r in running])),
                 steady_requests=min(self.config.max_num_seqs, len(running) + self.num_waiting),
@@ -424,7 +425,9 @@ class LLMEngine:
         if depth > 0:
             self._plain_streak, self._plain_seconds = 0, 0.0
             self._speculative_streak += 1
-            if (
+            # Never on a step that prefills: the draft would miss the prompts, and their catch-up then
+            # kept a whole c4 round plain where speculation ran 1.5x plain in the steady state.
+            if target_feed == len(running) and (
                 self._speculative_streak > _PLAIN_PROBE_EVERY
                 or self.planner.cost.plain_observations(len(running)) < _PLAIN_MIN_OBS
             ):
