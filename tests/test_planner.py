@@ -340,16 +340,3 @@ def test_metrics_attributes() -> None:
     state = planner.state()
     assert state["depth"] == d and state["expected_rate"] > 0 and state["expected_tokens"] >= 2
 
-
-def test_undrafted_slots_extrapolate_each_row_own_acceptance() -> None:
-    """A row drafted only 2 deep stands for deeper drafts at its own conditional acceptance (relative to
-    the expected one): a sure row stays sure, an unsure row stays unsure."""
-    planner = AdaptivePlanner(cheap_cost(), 4)
-    expected = np.array([0.6, 0.6, 0.6, 0.6])
-    sure, unsure = [0.95, 0.95**2], [0.3, 0.3 * 0.3]
-    planner.end_step(np.array([[*sure, 0.0, 0.0], [*unsure, 0.0, 0.0]]), np.array([2, 2]))
-    pooled = planner._pooled(expected)
-    np.testing.assert_allclose(pooled[0], [0.95, 0.95**2, 0.95**3, 0.95**4])
-    np.testing.assert_allclose(pooled[1], [0.3, 0.09, 0.027, 0.0081])
-    # Without history: the mean survival.
-    np.testing.assert_allclose(AdaptivePlanner(cheap_cost(), 4)._pooled(expected)[0], np.cumprod(expected))
