@@ -339,4 +339,3 @@ def test_metrics_attributes() -> None:
     d = planner.choose_draft_depth(2, np.full(K, 0.8))
     state = planner.state()
     assert state["depth"] == d and state["expected_rate"] > 0 and state["expected_tokens"] >= 2
-
