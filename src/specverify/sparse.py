@@ -44,14 +44,10 @@ class SparseRows:
     def select(self, rows: torch.Tensor) -> SparseRows:
         """The given rows, in the given order (repeats allowed)."""
         counts = self.counts()[rows]
-        return SparseRows.from_segments(
-            torch.arange(rows.numel()),
-            counts,
-            self.tokens[_segment_entries(self.offsets[:-1][rows], counts)],
-            self.probs[_segment_entries(self.offsets[:-1][rows], counts)],
-            rows.numel(),
-            self.vocab_size,
-        )
+        entries = _segment_entries(self.offsets[:-1][rows], counts)
+        offsets = torch.zeros(rows.numel() + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return SparseRows(self.tokens[entries], self.probs[entries], offsets, self.vocab_size)
 
     def to_dense(self) -> torch.Tensor:
         """[N, V] float64 (tests and diagnostics only)."""
