@@ -16,8 +16,8 @@ from specverify.sparse import SparseRows, residual, sample
 
 __all__ = ["SparseRows", "apply_target_transforms", "probabilities", "sample", "verify"]
 
-# Top-k / top-p first look for their kept set among this many best tokens per row, then 16x more, then
-# the whole vocabulary. Exact either way, and cheap for the peaked distributions of real models.
+# Top-k / top-p first look for their kept set among this many best tokens per row, then 16x more each
+# time, up to the whole vocabulary. Exact either way, and cheap for the peaked distributions of real models.
 _PROBE = 64
 
 

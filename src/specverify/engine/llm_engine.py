@@ -561,7 +561,7 @@ class LLMEngine:
                 q = q.map_tokens(subset, self.target.vocab_size)
             idx = torch.from_numpy(active)
             draft_tokens[idx, k] = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
-            draft_row[idx, k] = torch.arange(len(active)) + sum(d.num_rows for d in draft_dists)
+            draft_row[idx, k] = torch.arange(len(active)) + int(drafted.sum())  # rows stacked so far
             draft_dists.append(q)
             drafted[active] += 1
             features[active, k], raw_qmax[active, k], one_token = self._slot_features(logits, params, q)
