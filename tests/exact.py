@@ -38,10 +38,12 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
     return p / p.sum()
 
 
-def exact_distribution(logits_fn, params: SamplingParams, length: int) -> dict[tuple[int, ...], float]:
+def exact_distribution(
+    logits_fn, params: SamplingParams, length: int, prompt: list[int] = PROMPT
+) -> dict[tuple[int, ...], float]:
     probs = {}
     for seq in itertools.product(range(VOCAB), repeat=length):
-        context, total = tuple(PROMPT), 1.0
+        context, total = tuple(prompt), 1.0
         for token in seq:
             total *= reference_probs(logits_fn(context), params)[token]
             context += (token,)
@@ -68,10 +70,12 @@ def sample_engine(
     n: int,
     length: int,
     seed: int = 0,
+    prompt: list[int] = PROMPT,
     **engine_kwargs,
 ) -> tuple[Counter, LLMEngine]:
+    """`n` samples of `length` tokens after `prompt`; `draft_fn` None: no draft model (a suffix spec)."""
     target = ToyRunner(VOCAB, target_fn)
-    draft = ToyRunner(VOCAB, draft_fn) if spec is not None else None
+    draft = ToyRunner(VOCAB, draft_fn) if spec is not None and draft_fn is not None else None
     config = EngineConfig(max_num_seqs=64, seed=seed, speculative=spec)
     engine = LLMEngine(target, ToyTokenizer(VOCAB), config, draft=draft, **engine_kwargs)
     run_params = SamplingParams(
@@ -82,7 +86,7 @@ def sample_engine(
         ignore_eos=True,
     )
     for _ in range(n):
-        engine.add_request(PROMPT, run_params)
+        engine.add_request(prompt, run_params)
     counts: Counter = Counter()
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -243,10 +243,12 @@ def test_metrics_expose_speculation_state() -> None:
             verified = m[("specverify_verified_tokens_total", (("position", "0"),))]
             accepted = m[("specverify_accepted_tokens_total", (("position", "0"),))]
             assert drafted >= verified >= accepted > 0
-            assert ("specverify_estimator_slope", ()) in m
-            assert ("specverify_estimator_intercept", (("position", "2"),)) in m
-            assert 0.0 <= m[("specverify_estimator_ece", ())] <= 1.0
-            assert m[("specverify_estimator_calibration", (("statistic", "labels"),))] > 0
+            drafter = ("drafter", "draft_model")
+            assert m[("specverify_drafter_info", (drafter,))] == 1.0
+            assert ("specverify_estimator_slope", (drafter,)) in m
+            assert ("specverify_estimator_intercept", (drafter, ("position", "2"))) in m
+            assert 0.0 <= m[("specverify_estimator_ece", (drafter,))] <= 1.0
+            assert m[("specverify_estimator_calibration", (drafter, ("statistic", "labels")))] > 0
 
 
 # ---- load --------------------------------------------------------------------------------------------
@@ -582,7 +584,7 @@ def test_graceful_shutdown_finishes_in_flight_and_saves_the_estimator(tmp_path) 
     with serve(fresh, estimator_state=str(path)) as s2:
         assert json.loads(json.dumps(s2.worker.engine.estimator_state())) == saved
         m = s2.metrics()
-        assert ("specverify_estimator_slope", ()) in m
+        assert ("specverify_estimator_slope", (("drafter", "draft_model"),)) in m
 
 
 def test_shutdown_deadline_ends_in_flight_requests_with_an_error() -> None:

@@ -242,6 +242,9 @@ _FEATURE_VARIANTS = (
     ),
     ("margin_top2", "margin_top2", lambda v: v, "online K+1 on log(q1/q2)"),
     ("neg_entropy", "entropy", lambda v: -v, "online K+1 on -entropy"),
+    # Suffix drafts: how long the matched context was, how often it was seen.
+    ("match_length", "match_length", np.log2, "online K+1 on log2(match length) (suffix drafter)"),
+    ("count_total", "count_total", np.log, "online K+1 on log(continuation count) (suffix drafter)"),
 )
 
 
@@ -311,6 +314,11 @@ def calibration_report(
     prediction = np.asarray(trace.get("prediction", np.full(lab.size, np.nan)), np.float64)[lab]
     if np.isfinite(prediction).any():
         methods["engine"] = ("the engine's own online predictions, as recorded", prediction)
+    drafters = list(trace.get("drafters", ["draft_model"]))
+    if len(drafters) > 1:
+        raise ValueError(
+            f"the trace mixes drafts of {drafters}: their features differ, so score one drafter's trace at a time"
+        )
     if "logit_qmax" in feats and k:
         x, name = _engine_feature(feats)
         methods["online"] = (f"online K+1 logistic on {name}, prequential", online(x, shared))
@@ -331,6 +339,7 @@ def calibration_report(
         if source in feats and k:
             methods[name] = (description + ", prequential", online(transform(feats[source]), shared))
     return {
+        "drafter": drafters[0] if drafters else "draft_model",
         "labels": int(y.size),
         "num_positions": k,
         "rate": float(y.mean()) if y.size else float("nan"),
@@ -369,7 +378,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     """Text tables: overall metrics per method, then ECE and AUC per draft position."""
     methods = report["methods"]
     lines = [
-        f"{report['labels']} labelled drafts, {report['num_positions']} positions, acceptance rate {report['rate']:.4f}",
+        f"{report.get('drafter', 'draft_model')} drafts: {report['labels']} labelled, "
+        f"{report['num_positions']} positions, acceptance rate {report['rate']:.4f}",
         "",
     ]
     width = max([len(name) for name in methods] + [6])

@@ -7,6 +7,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_SPECULATIVE_TOKENS = 16
+# Drafters: an independent draft model, or suffix drafting over the request's own text (suffix.py).
+METHODS = ("draft_model", "suffix")
+# Keys that only one method reads: giving one to the other method is an error, not a silent no-op.
+_METHOD_KEYS = {
+    "draft_model": ("model", "draft_vocab_size", "draft_quantization"),
+    "suffix": ("suffix_cache_tokens",),
+}
 # Smallest frequency-ranked draft vocabulary accepted (draft_vocab.py always keeps the tokenizer's ~300
 # special and single-byte tokens; far fewer ids than this leave the draft little to propose).
 MIN_DRAFT_VOCAB_SIZE = 1024
@@ -37,6 +44,9 @@ class SpeculativeConfig:
     # forwards over at most 4 rows, where they measure faster than packed bf16 (models/quant.py). CPU
     # bf16 only; elsewhere the draft keeps its weights. Lossless: only the draft's distribution moves.
     draft_quantization: str | None = "int4"
+    # Suffix drafting: the shared cache of finished requests' outputs, at most this many tokens (oldest
+    # requests evicted first); 0: each request drafts from its own prompt and output only.
+    suffix_cache_tokens: int = 65536
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -54,13 +64,20 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"unknown speculative config keys {unknown}; known keys: {sorted(known)}")
+        method = value.get("method", cls.method)
+        for other, keys in _METHOD_KEYS.items():
+            stray = sorted(k for k in keys if k in value and other != method)
+            if stray and method in METHODS:
+                raise ConfigError(f"{stray} apply to method {other!r} only, not {method!r}")
         config = cls(**value)
         config.validate()
         return config
 
     def validate(self) -> None:
-        if self.method != "draft_model":
-            raise ConfigError(f"speculative method {self.method!r} is not supported; use 'draft_model'")
+        if self.method not in METHODS:
+            raise ConfigError(
+                f"speculative method {self.method!r} is not supported; use one of {', '.join(METHODS)}"
+            )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
@@ -75,6 +92,9 @@ class SpeculativeConfig:
                 f"draft_quantization must be one of {sorted(k for k in DRAFT_QUANTIZATIONS if k)} or null, "
                 f"got {self.draft_quantization!r}"
             )
+        c = self.suffix_cache_tokens
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            raise ConfigError(f"suffix_cache_tokens must be an integer >= 0 (0: no shared cache), got {c!r}")
         n = self.draft_vocab_size
         if n is not None and (
             not isinstance(n, int) or isinstance(n, bool) or (n != 0 and n < MIN_DRAFT_VOCAB_SIZE)

@@ -111,6 +111,7 @@ class LLM:
 
     `speculative_config` follows vLLM: {"method": "draft_model", "model": PATH, "num_speculative_tokens": 5,
     "enable_adaptive_verification": true}. `model=None` / `"model": None` use the default pair.
+    {"method": "suffix", "num_speculative_tokens": 16} drafts from the request's own text (no draft model).
     """
 
     def __init__(
@@ -139,7 +140,7 @@ class LLM:
         self.models = models or load_models(
             model,
             spec.model if spec else None,
-            spec is not None,
+            spec is not None and spec.method == "draft_model",  # the suffix drafter needs no model
             dtype,
             device,
             max_model_len,

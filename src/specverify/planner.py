@@ -430,11 +430,14 @@ class AdaptivePlanner:
         target_seconds: float | None = None,
         draft_forwards: list[tuple[int, float]] | None = None,
         context_tokens: int = 0,
+        nothing_to_draft: np.ndarray | None = None,
     ) -> None:
         """Remember this step's survivals (they set the next step's threshold, never this one's) and
         refresh the threshold for an unchanged load. Optionally feed measured times to the cost model:
         `target_seconds` of the forward over `target_tokens`, and (batch, seconds) per draft forward.
-        Zero survival beyond a request's drafted depth is read as 'not drafted'."""
+        Zero survival beyond a request's drafted depth is read as 'not drafted' (deeper drafting would
+        have given the expected acceptance), except at the slots `nothing_to_draft` marks: there the
+        drafter had nothing to propose (a suffix drafter without a match), so they really gain 0."""
         s = np.asarray(survival, dtype=np.float64)
         if target_seconds is not None and target_tokens:
             self.cost.observe_target(int(target_tokens), float(target_seconds), context_tokens)
@@ -447,6 +450,8 @@ class AdaptivePlanner:
         part = s[:, :d]
         # Survival is positive wherever a slot was drafted; 0 / NaN mean not drafted.
         row[:, :d] = np.where(part > 0.0, np.minimum(part, 1.0), np.nan)
+        if nothing_to_draft is not None:
+            row[:, :d][np.asarray(nothing_to_draft, dtype=bool)[:, :d]] = 0.0
         self.history.append(row)
         # Same load next step: a threshold ready even if choose_draft_depth is not called. It is only
         # used from the next step on, so computing it from THIS step's survivals is lossless.

@@ -2,7 +2,7 @@
 
 One record per drafted slot (labelled or not):
 `{"request": str, "step": int, "position": int, "features": {name: float|null}, "prediction": float|null,
-"verified": bool, "accepted": bool|null, "trains": bool}`. `accepted` is the label under the censoring
+"verified": bool, "accepted": bool|null, "trains": bool, "drafter": str}`. `accepted` is the label under the censoring
 rule (slot k of a request that verified n and accepted a: labelled iff k < n and k <= a, accepted iff
 k < a) and null for censored slots. `trains` is False for requests that must not train the estimator.
 Paths ending in .gz are gzip-compressed; appending to an existing trace adds to it.
@@ -81,8 +81,9 @@ def records_from_step(
 class TraceWriter:
     """Appends trace records to a JSONL file (gzip when the path ends in .gz). A context manager."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], drafter: str = "draft_model"):
         self.path = os.fspath(path)
+        self.drafter = drafter  # each record names it: features of different drafters do not mix
         opener = gzip.open if self.path.endswith(".gz") else open
         self._file: IO[str] | None = opener(self.path, "at", encoding="utf-8")
         self.records_written = 0
@@ -113,6 +114,8 @@ class TraceWriter:
         records = records_from_step(
             request_ids, step, features, predictions, num_drafted, num_verified, num_accepted, trains
         )
+        for record in records:
+            record["drafter"] = self.drafter
         self.write_records(records)
         return len(records)
 
@@ -147,7 +150,8 @@ def _lines(path: str) -> list[str]:
 def read_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a trace as arrays: request (str), step, position (int64), prediction (float64, NaN for null),
     verified, labelled, accepted (bool; False where not labelled), trains (bool), and
-    features: {name: float64 array, NaN where missing}. A malformed last line (a run killed mid-write)
+    features: {name: float64 array, NaN where missing}; `drafters`: the drafters its records name
+    (records from before traces named one came from the draft model). A malformed last line (a run killed mid-write)
     is skipped; a malformed line elsewhere raises ValueError.
     """
     path = os.fspath(path)
@@ -176,4 +180,5 @@ def read_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
         "accepted": np.array([bool(a) for a in accepted], dtype=bool),
         "trains": np.array([bool(r.get("trains", True)) for r in records], dtype=bool),
         "features": {name: floats((r.get("features") or {}).get(name) for r in records) for name in names},
+        "drafters": sorted({str(r.get("drafter", "draft_model")) for r in records}),
     }

@@ -17,6 +17,8 @@ from specverify.cli import add_prefill_argument, prefill_budget
 DEFAULT = {"concurrencies": "1,4,16,32", "max_tokens": 64, "num_prompts": None, "min_prompts": 4}
 QUICK = {"concurrencies": "1,4", "max_tokens": 32, "num_prompts": None, "min_prompts": 2}
 DEFAULT_K = 5
+# The suffix drafter drafts for free, so its drafts go deep and the planner trims them.
+DEFAULT_SUFFIX_K = 16
 
 
 def _int_list(text: str) -> list[int]:
@@ -87,6 +89,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         '"model": "draft.gguf", "num_speculative_tokens": 5}\'; the benchmark sets '
         "enable_adaptive_verification itself per mode (default: the default draft, K=5)",
     )
+    p.add_argument(
+        "--drafter",
+        choices=["draft_model", "suffix"],
+        default=None,
+        help="who drafts for the fixed and adaptive modes: the draft model (default, K=5) or suffix "
+        f"drafting from each request's own text and earlier outputs (no draft model, K={DEFAULT_SUFFIX_K}); "
+        "a --speculative-config's method decides otherwise",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -95,7 +105,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--dataset",
         default="mixed",
         choices=DATASETS,
-        help="prompt set; mixed interleaves humaneval, mtbench and gsm8k (default: mixed)",
+        help="prompt set; mixed interleaves humaneval, mtbench and gsm8k; edit asks to rework a code "
+        "solution or an answer given in the prompt (repetition-heavy) (default: mixed)",
     )
     p.add_argument(
         "--num-prompts",
@@ -172,17 +183,23 @@ def _speculative(args: argparse.Namespace):
     """The base speculative config (adaptive is switched per mode), or None when only `none` runs."""
     from specverify.config import SpeculativeConfig
 
-    needs_draft = any(m != "none" for m in args.modes)
+    speculates = any(m != "none" for m in args.modes)
     if args.speculative_config:
         spec = SpeculativeConfig.from_any(args.speculative_config)
-    elif args.model is not None and needs_draft:
+        if args.drafter and args.drafter != spec.method:
+            raise SystemExit(
+                f"error: --drafter {args.drafter} contradicts the --speculative-config method {spec.method!r}"
+            )
+    elif args.drafter == "suffix":
+        spec = SpeculativeConfig(method="suffix", num_speculative_tokens=DEFAULT_SUFFIX_K)
+    elif args.model is not None and speculates:
         raise SystemExit(
-            'error: with --model, give --speculative-config with a draft "model" '
+            'error: with --model, give --speculative-config with a draft "model", or --drafter suffix '
             "(or --modes none to benchmark the target alone)"
         )
     else:
         spec = SpeculativeConfig(num_speculative_tokens=DEFAULT_K)
-    return spec if needs_draft else None
+    return spec if speculates else None
 
 
 def _cost_model(models, args: argparse.Namespace, progress: bool):
@@ -238,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     models = load_models(
         args.model,
         spec.model if spec else None,
-        spec is not None,
+        spec is not None and spec.method == "draft_model",
         args.dtype,
         args.device,
         args.max_model_len,

@@ -17,7 +17,7 @@ results.json schema (stable: fields may be added, never renamed or removed)
     "num_speculative_tokens": int,
     "seed": int, "ignore_eos": bool, "warmup_tokens": int, "warmup_prompts": int,
     "dataset": "humaneval" | "mtbench" | "gsm8k" | "mixed",
-    "speculative_config": {"method", "model", "num_speculative_tokens", "estimator"},
+    "speculative_config": {"method", "model", "suffix_cache_tokens", "num_speculative_tokens", "estimator"},
     "target": str, "draft": str | null, "dtype": str, "device": str, "threads": int,
     "chat_template": bool, "prompt_tokens_mean": float, "setup_s": float, "total_s": float,
     "partial": bool,                  # true while the sweep is still running (rewritten after each
@@ -215,6 +215,13 @@ def _temperatures_text(value: Any) -> str:
     return "?" if value is None else format(value, "g")
 
 
+def _drafter_text(cfg: dict) -> str:
+    method = (cfg.get("speculative_config") or {}).get("method", "draft_model")
+    if method == "suffix":
+        return "suffix drafter"
+    return f"draft {cfg.get('draft', '-')}"
+
+
 def format_table(results: dict) -> str:
     """A fixed-width table of every point, then the estimator's calibration."""
     header = [
@@ -273,7 +280,7 @@ def format_table(results: dict) -> str:
     text.insert(
         0,
         (
-            f"specverify bench: {cfg.get('target', '?')} / draft {cfg.get('draft', '-')}, dataset {cfg.get('dataset')}, "
+            f"specverify bench: {cfg.get('target', '?')} / {_drafter_text(cfg)}, dataset {cfg.get('dataset')}, "
             f"max_tokens {cfg.get('max_tokens')}, T={_temperatures_text(cfg.get('temperature'))}, "
             f"top_p={cfg.get('top_p')} (T > 0 only), "
             f"K={cfg.get('num_speculative_tokens')}"

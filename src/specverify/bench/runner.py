@@ -283,8 +283,8 @@ class BenchRunner:
         self.engine_factory = engine_factory
         base = speculative or SpeculativeConfig(num_speculative_tokens=config.num_speculative_tokens)
         self.base_spec = base
-        if draft is None and any(m != "none" for m in config.modes):
-            raise ConfigError("modes 'fixed' and 'adaptive' need a draft model")
+        if draft is None and base.method == "draft_model" and any(m != "none" for m in config.modes):
+            raise ConfigError("modes 'fixed' and 'adaptive' need a draft model (or the suffix drafter)")
         self._estimator_state: dict[str, dict] = {}
         self._calibration: dict[str, BenchCalibration] = {}
         self._rounds_run = 0  # rounds so far over the whole sweep: the mode order changes with it
@@ -296,14 +296,10 @@ class BenchRunner:
     def spec_for(self, mode: str) -> SpeculativeConfig | None:
         if mode == "none":
             return None
-        b = self.base_spec
-        return SpeculativeConfig(
-            method=b.method,
-            model=b.model,
-            num_speculative_tokens=b.num_speculative_tokens,
+        return replace(
+            self.base_spec,
             enable_adaptive_verification=mode == "adaptive",
-            estimator=dict(b.estimator),
-            estimator_state=b.estimator_state,
+            estimator=dict(self.base_spec.estimator),
         )
 
     def make_engine(self, mode: str, concurrency: int) -> LLMEngine:
@@ -551,6 +547,7 @@ class BenchRunner:
         config["speculative_config"] = {
             "method": self.base_spec.method,
             "model": self.base_spec.model,
+            "suffix_cache_tokens": self.base_spec.suffix_cache_tokens,
             "num_speculative_tokens": self.base_spec.num_speculative_tokens,
             "estimator": dict(self.base_spec.estimator),
         }

@@ -22,6 +22,7 @@ from specverify import sampler
 from specverify.config import ConfigError, EngineConfig
 from specverify.engine.scheduler import Scheduler
 from specverify.engine.sequence import Request, RequestOutput
+from specverify.engine.suffix_drafter import SUFFIX_FEATURE_ID
 from specverify.features import ACCEPTANCE_FEATURE_ID
 from specverify.models.base import ModelRunner
 from specverify.sampling_params import SamplingParams
@@ -157,7 +158,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.spec = self.config.speculative
-        if self.spec is not None and draft is None:
+        self.suffix = None  # the suffix drafter (method "suffix"), which needs no draft model
+        if self.spec is not None and self.spec.method == "suffix":
+            from specverify.engine.suffix_drafter import SuffixDrafter
+
+            self.suffix = SuffixDrafter(target.vocab_size, self.spec.suffix_cache_tokens)
+            self.draft = None
+        elif self.spec is not None and draft is None:
             raise ConfigError("a speculative config needs a draft model runner")
         if self.spec is None:
             self.draft = None
@@ -216,7 +223,17 @@ class LLMEngine:
         if self.config.record_trace:
             from specverify.trace import TraceWriter
 
-            self.trace = TraceWriter(self.config.record_trace)
+            self.trace = TraceWriter(self.config.record_trace, drafter=self.drafter)
+
+    @property
+    def drafter(self) -> str | None:
+        """The speculative method ("draft_model" or "suffix"); None without speculation."""
+        return None if self.spec is None else self.spec.method
+
+    @property
+    def feature_id(self) -> str:
+        """The estimator's input, as saved states name it: each drafter has its own."""
+        return SUFFIX_FEATURE_ID if self.suffix is not None else ACCEPTANCE_FEATURE_ID
 
     def estimator_state(self) -> dict:
         """Both acceptance estimators' states (sampled and greedy requests), JSON-ready."""
@@ -224,7 +241,8 @@ class LLMEngine:
             return self.estimator.state_dict()
         return {
             "kind": "SpeculationEstimators",
-            "feature": ACCEPTANCE_FEATURE_ID,
+            "drafter": self.drafter,
+            "feature": self.feature_id,
             "sampled": self.estimator.state_dict(),
             "greedy": self.greedy_estimator.state_dict(),
         }
@@ -233,17 +251,25 @@ class LLMEngine:
         """Warm start from `estimator_state()`; a single estimator's state (older files) warms the
         sampled-request estimator only. A state fitted on another feature still loads (it is close, and
         the fit follows new labels within its half-life) but says so."""
-        if isinstance(state, dict) and state.get("kind") == "SpeculationEstimators":
+        combined = isinstance(state, dict) and state.get("kind") == "SpeculationEstimators"
+        # States saved before there were several drafters came from the draft model.
+        drafter = state.get("drafter", "draft_model") if combined else "draft_model"
+        if drafter != self.drafter:
+            raise ConfigError(
+                f"the estimator state was fitted on {drafter!r} drafts, this engine drafts with "
+                f"{self.drafter!r}: each drafter needs its own estimator state"
+            )
+        if combined:
             self.estimator.load_state_dict(state["sampled"])
             self.greedy_estimator.load_state_dict(state["greedy"])
             feature = state.get("feature", "logit_qmax")
         else:
             self.estimator.load_state_dict(state)
             feature = "logit_qmax"
-        if feature != ACCEPTANCE_FEATURE_ID:
+        if feature != self.feature_id:
             warnings.warn(
                 f"the estimator state was fitted on the feature {feature!r}, this engine uses "
-                f"{ACCEPTANCE_FEATURE_ID!r}: its predictions are off until it has re-fitted on new labels",
+                f"{self.feature_id!r}: its predictions are off until it has re-fitted on new labels",
                 stacklevel=2,
             )
 
@@ -393,7 +419,7 @@ class LLMEngine:
             return k
         start = time.perf_counter()
         context = sum(r.num_tokens for r in running)
-        draft_lags = np.array([r.num_tokens - self.draft.cache_length(r.seq_id) for r in running])
+        draft_lags = np.array([self._draft_lag(r) for r in running])
         target_feed = sum(r.num_tokens - self.target.cache_length(r.seq_id) for r in running)
         depth = int(
             self.planner.choose_draft_depth(
@@ -451,6 +477,10 @@ class LLMEngine:
                     depth = min(_PROBE_DEPTH, k)
         self.stats.planning_seconds_total += time.perf_counter() - start
         return depth
+
+    def _draft_lag(self, request: Request) -> int:
+        """Tokens the drafter must read before it drafts for `request` (the suffix drafter reads for free)."""
+        return 0 if self.draft is None else request.num_tokens - self.draft.cache_length(request.seq_id)
 
     @staticmethod
     def _least_lagging(draft_lags: np.ndarray) -> np.ndarray:
@@ -542,36 +572,58 @@ class LLMEngine:
         trace_features: dict[str, np.ndarray] | None = None
         draft_timings: list[tuple[int, float]] = []
         subset = getattr(self.draft, "logit_token_ids", None)  # a draft LM head over part of the vocabulary
+        # Slots where the drafter had nothing to propose (suffix: no context matched): zero survival.
+        nothing = np.zeros((r_count, depth), dtype=bool)
+        if self.suffix is not None:
+            start = time.perf_counter()
+            self.suffix.sync(running)
+            profile.draft_sampling += time.perf_counter() - start
         for k in range(depth):
             draft_start = time.perf_counter()
             active = np.flatnonzero((caps > k) & keep_going)
             if active.size == 0:
                 break
-            reqs = [running[i] for i in active]
-            if k == 0:
-                feeds = self._feeds(self.draft, reqs)
-            else:
-                feeds = [[int(draft_tokens[i, k - 1])] for i in active]
-            logits = self.draft.forward([r.seq_id for r in reqs], feeds, [1] * len(reqs))
-            forwarded = time.perf_counter()
-            fed = sum(map(len, feeds))
-            params = [r.params for r in reqs]
-            q = sampler.probabilities(logits, params)
-            if subset is not None:
-                q = q.map_tokens(subset, self.target.vocab_size)
-            idx = torch.from_numpy(active)
-            draft_tokens[idx, k] = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
-            draft_row[idx, k] = torch.arange(len(active)) + int(drafted.sum())  # rows stacked so far
-            draft_dists.append(q)
-            drafted[active] += 1
-            features[active, k], raw_qmax[active, k], one_token = self._slot_features(logits, params, q)
-            if self.trace is not None:
-                trace_features = self._trace_features(
-                    trace_features, logits, params, one_token, active, k, r_count, depth
+            if self.suffix is not None:
+                slot = self.suffix.draft_slot(
+                    [running[i] for i in active],
+                    [draft_tokens[i, :k].tolist() for i in active],
+                    greedy[active],
                 )
+                nothing[active[~slot.matched], k:] = True
+                keep_going[active[~slot.matched]] = False
+                active = active[slot.matched]
+                q, trace_values = slot.q, slot.trace
+                features[active, k], raw_qmax[active, k] = slot.features, slot.qmax
+                reqs = [running[i] for i in active]
+                forwarded = draft_start  # no forward: all of it is drafting work
+            else:
+                reqs = [running[i] for i in active]
+                if k == 0:
+                    feeds = self._feeds(self.draft, reqs)
+                else:
+                    feeds = [[int(draft_tokens[i, k - 1])] for i in active]
+                logits = self.draft.forward([r.seq_id for r in reqs], feeds, [1] * len(reqs))
+                forwarded = time.perf_counter()
+                params = [r.params for r in reqs]
+                q = sampler.probabilities(logits, params)
+                if subset is not None:
+                    q = q.map_tokens(subset, self.target.vocab_size)
+                features[active, k], raw_qmax[active, k], one_token = self._slot_features(logits, params, q)
+                if self.trace is not None:
+                    trace_values = self._trace_values(logits, params, one_token)
+            if active.size:
+                idx = torch.from_numpy(active)
+                draft_tokens[idx, k] = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
+                draft_row[idx, k] = torch.arange(len(active)) + int(drafted.sum())  # rows stacked so far
+                draft_dists.append(q)
+                drafted[active] += 1
+                if self.trace is not None:
+                    trace_features = self._store_trace(
+                        trace_features, trace_values, active, k, r_count, depth
+                    )
             profile.draft_forward += forwarded - draft_start
             profile.draft_sampling += time.perf_counter() - forwarded
-            if self.planner is not None:
+            if self.planner is not None and active.size:
                 # Only distributions up to slot k (and so tokens before k) decide whether to draft k + 1.
                 start = time.perf_counter()
                 p = self._predict(features[active, : k + 1], greedy[active])[:, k]
@@ -579,7 +631,8 @@ class LLMEngine:
                 if not self._probing:  # warm-up and probes draft their whole depth: uncensored labels
                     keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
                 self.stats.planning_seconds_total += time.perf_counter() - start
-            draft_timings.append((fed, time.perf_counter() - draft_start))
+            if self.draft is not None:
+                draft_timings.append((sum(map(len, feeds)), time.perf_counter() - draft_start))
         survival[np.arange(depth)[None, :] >= drafted[:, None]] = 0.0
 
         num_verified = self._admit(survival, drafted)
@@ -622,6 +675,7 @@ class LLMEngine:
             features,
             raw_qmax,
             survival,
+            nothing,
             drafted,
             num_verified,
             accepted_np,
@@ -634,7 +688,7 @@ class LLMEngine:
             a = int(accepted_np[i])
             kept = request.num_tokens + a
             self.target.truncate(request.seq_id, kept)
-            if self.draft.cache_length(request.seq_id) > kept:
+            if self.draft is not None and self.draft.cache_length(request.seq_id) > kept:
                 self.draft.truncate(request.seq_id, kept)
             new_tokens.append(draft_tokens[i, :a].tolist() + [int(final[i])])
             request.metrics.add(int(drafted[i]), int(num_verified[i]), a)
@@ -658,9 +712,9 @@ class LLMEngine:
         one_token = keeps_one_token(q).numpy()
         return acceptance_feature(x, one_token), 1.0 / (1.0 + np.exp(-x)), one_token
 
-    def _trace_features(
-        self, acc, logits, params, one_token, active, k, r_count, depth
-    ) -> dict[str, np.ndarray]:
+    @staticmethod
+    def _trace_values(logits, params, one_token) -> dict[str, np.ndarray]:
+        """Every trace feature of one slot of the draft model's rows."""
         from specverify.features import all_features
 
         values = all_features(
@@ -673,6 +727,11 @@ class LLMEngine:
             name: v.double().numpy() if isinstance(v, torch.Tensor) else v for name, v in values.items()
         }
         values["one_token"] = one_token.astype(np.float64)
+        return values
+
+    @staticmethod
+    def _store_trace(acc, values, active, k, r_count, depth) -> dict[str, np.ndarray]:
+        """Put one slot's trace features (rows `active`, slot k) into the step's [R, depth] arrays."""
         if acc is None:
             acc = {name: np.full((r_count, depth), np.nan) for name in values}
         for name, v in values.items():
@@ -698,6 +757,7 @@ class LLMEngine:
         features,
         raw_qmax,
         survival,
+        nothing,
         drafted,
         verified,
         accepted,
@@ -722,6 +782,7 @@ class LLMEngine:
             self.planner.end_step(
                 survival,
                 verified,
+                nothing_to_draft=nothing,
                 target_tokens=timing.target_tokens,
                 target_seconds=timing.target_seconds,
                 draft_forwards=timing.draft_forwards,
@@ -787,6 +848,8 @@ class LLMEngine:
         self.target.release(request.seq_id)
         if self.draft is not None:
             self.draft.release(request.seq_id)
+        if self.suffix is not None:
+            self.suffix.release(request)
 
     def close(self) -> None:
         if self.trace is not None:

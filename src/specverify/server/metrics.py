@@ -141,51 +141,67 @@ class EngineCollector(Collector):
             yield _gauge(
                 "chosen_verify_budget", "Draft tokens verified in the latest step", stats.last_verify_budget
             )
+        # Every estimator figure is labelled with the drafter it learns: each drafter has its own fit.
+        drafter = snap.drafter or "none"
+        yield _gauge("drafter_info", "The drafter in use (label), 1", 1.0, drafter=drafter)
         slopes = snap.estimator_slopes
         if len(slopes) == 1:
-            yield _gauge("estimator_slope", "Acceptance estimator: shared slope on logit(q_max)", slopes[0])
+            yield _gauge(
+                "estimator_slope",
+                "Acceptance estimator: shared slope on logit(q_max)",
+                slopes[0],
+                drafter=drafter,
+            )
         elif slopes:
             family = GaugeMetricFamily(
                 f"{PREFIX}_estimator_slope",
                 "Acceptance estimator: slope per draft position",
-                labels=["position"],
+                labels=["drafter", "position"],
             )
             for k, w in enumerate(slopes):
-                family.add_metric([str(k)], w)
+                family.add_metric([drafter, str(k)], w)
             yield family
         if snap.estimator_intercepts:
             family = GaugeMetricFamily(
                 f"{PREFIX}_estimator_intercept",
                 "Acceptance estimator: intercept per draft position",
-                labels=["position"],
+                labels=["drafter", "position"],
             )
             for k, b in enumerate(snap.estimator_intercepts):
-                family.add_metric([str(k)], b)
+                family.add_metric([drafter, str(k)], b)
             yield family
         cal = snap.calibration
         if cal:
             family = GaugeMetricFamily(
                 f"{PREFIX}_estimator_calibration",
                 "Rolling calibration of the acceptance estimator on its latest labels (ece, auc, brier, ...)",
-                labels=["statistic"],
+                labels=["drafter", "statistic"],
             )
             for key, value in sorted(cal.items()):
-                family.add_metric([key], value)
+                family.add_metric([drafter, key], value)
             yield family
             if "raw_ece" in cal:
                 yield _gauge(
-                    "raw_qmax_ece", "Rolling calibration error of raw q_max, for comparison", cal["raw_ece"]
+                    "raw_qmax_ece",
+                    "Rolling calibration error of raw q_max, for comparison",
+                    cal["raw_ece"],
+                    drafter=drafter,
                 )
             if "ece" in cal:
                 yield _gauge(
                     "estimator_ece",
                     "Rolling expected calibration error of the acceptance estimator",
                     cal["ece"],
+                    drafter=drafter,
                 )
 
 
-def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=float(value))
+def _gauge(name: str, help_text: str, value: float, **labels: str) -> GaugeMetricFamily:
+    if not labels:
+        return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=float(value))
+    family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=list(labels))
+    family.add_metric(list(labels.values()), float(value))
+    return family
 
 
 def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:

@@ -76,6 +76,7 @@ class EngineSnapshot:
     estimator_slopes: list[float] = field(default_factory=list)  # one (shared) or one per position
     estimator_intercepts: list[float] = field(default_factory=list)
     calibration: dict[str, float] = field(default_factory=dict)
+    drafter: str | None = None  # the speculative method the estimator belongs to (None: no speculation)
 
     @property
     def queue_depth(self) -> int:
@@ -341,7 +342,9 @@ class EngineWorker:
 
     def _take_snapshot(self, now: float | None = None) -> None:
         engine = self.engine
-        snap = EngineSnapshot(stats=copy.deepcopy(engine.stats), num_running=engine.num_running)
+        snap = EngineSnapshot(
+            stats=copy.deepcopy(engine.stats), num_running=engine.num_running, drafter=engine.drafter
+        )
         estimator = engine.estimator
         if estimator is not None:
             try:
