@@ -309,10 +309,11 @@ def test_speculation_state_carries_the_planners_realised_gain() -> None:
     assert fresh.planner.gain_factor == pytest.approx(120.0 / 220.0)
 
 
-def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch) -> None:
+@pytest.mark.parametrize("clear_win", [False, True])
+def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch, clear_win: bool) -> None:
     """With speculation chosen every step, plain steps still run: while plain decoding near this batch
     size has fewer than 3 used measurements, and then one per _PLAIN_PROBE_EVERY speculative steps;
-    never on a step that prefills."""
+    never on a step that prefills, and never while speculation is predicted to win by the margin."""
     import specverify.engine.llm_engine as engine_module
     from specverify.cost_model import CostModel
 
@@ -321,7 +322,12 @@ def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch) -> None:
     engine, *_ = make_engine(
         k=3, max_num_seqs=4, cost_model=CostModel(tokens, np.ones(5), tokens, np.ones(5))
     )
-    monkeypatch.setattr(engine.planner, "choose_draft_depth", lambda *a, **k: 3)  # speculation always pays
+    def choose(num_requests, *args, **kwargs) -> int:  # speculation always pays: by a little, or by 2x
+        plain_rate = num_requests / engine.planner.cost.plain_time(num_requests)  # as now predicted
+        engine.planner.expected_rate = plain_rate * (2.0 if clear_win else 1.2)
+        return 3
+
+    monkeypatch.setattr(engine.planner, "choose_draft_depth", choose)
     engine.estimator.n_observed_ = engine.greedy_estimator.n_observed_ = 10**6  # past the warm-up
     for i in range(4):
         engine.add_request([i % VOCAB, 1], SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True))
@@ -330,6 +336,9 @@ def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch) -> None:
         engine.step()
         depths.append(engine.stats.last_draft_depth)
     plain = [i for i, d in enumerate(depths) if d == 0]
+    if clear_win:  # plain steps would have to be 2x cheaper than predicted to matter: none is run
+        assert plain == []
+        return
     warmup = engine.planner.cost.plain.warmup
     # The prefill step is never a plain probe (the draft would miss the prompts); right after it plain
     # decoding is measured first (through the curve's warm-up).

@@ -266,12 +266,12 @@ def test_draft_catch_up_is_priced() -> None:
 
 
 def test_a_catch_up_that_no_later_step_would_reuse_is_charged_whole() -> None:
-    """Four requests of a burst of 32 have joined: at 4 speculation pays and the draft's catch-up on
-    their prompts would be amortised over later steps; but once the burst has joined, plain decoding
-    wins, so the catch-up would be wasted."""
+    """Four requests of a burst of 32 have joined (their prompts already prefilled, the draft still
+    to read them): at 4 speculation pays and the draft's catch-up would be amortised over later steps;
+    but once the burst has joined, plain decoding wins, so the catch-up would be wasted."""
     planner = AdaptivePlanner(cpu_like_cost(), K)
     r, p = 4, np.full(K, 0.8)
-    burst = dict(target_feed_tokens=256, draft_feed_tokens=256, remaining_tokens=128)
+    burst = dict(target_feed_tokens=r, draft_feed_tokens=256, remaining_tokens=128)
     assert planner.choose_draft_depth(r, p) > 0  # steady state at 4: speculation
     assert planner.choose_draft_depth(32, p) == 0  # steady state at 32: plain
     assert planner.choose_draft_depth(r, p, **burst) > 0  # alone, the catch-up is worth amortising
@@ -289,7 +289,7 @@ def test_the_steady_state_of_a_burst_must_pay_its_own_catch_up() -> None:
     planner = AdaptivePlanner(cpu_like_cost(), K)
     r, p = 4, np.full(K, 0.8)
     assert planner.choose_draft_depth(16, p) > 0  # steady state at 16, drafts caught up: speculation
-    burst = dict(target_feed_tokens=r * 64, draft_feed_tokens=r * 64, remaining_tokens=128)
+    burst = dict(target_feed_tokens=r, draft_feed_tokens=r * 64, remaining_tokens=128)
     assert planner.choose_draft_depth(r, p, **burst, steady_requests=4) > 0
     assert planner.choose_draft_depth(r, p, **burst, steady_requests=16) == 0
 
@@ -339,3 +339,26 @@ def test_metrics_attributes() -> None:
     d = planner.choose_draft_depth(2, np.full(K, 0.8))
     state = planner.state()
     assert state["depth"] == d and state["expected_rate"] > 0 and state["expected_tokens"] >= 2
+
+
+def test_drafts_verified_beside_a_prefill_cost_what_they_add_to_that_forward() -> None:
+    """On a curve that gets dearer per token past 64 tokens (compute-bound), the same drafts admitted in
+    a decode step are priced higher in a step that also prefills 96 prompt tokens, so fewer pay."""
+    tokens = np.array([1, 4, 16, 64, 256, 1024])
+    seconds = np.array([0.08, 0.09, 0.12, 0.3, 1.5, 7.0])  # 2.7 ms per token up to 64, then 6 ms
+    cost = CostModel(
+        tokens,
+        seconds,
+        tokens,
+        0.001 * np.ones(6),
+        alpha_global=0.0,
+        alpha_bucket=0.0,
+        alpha_drift=0.0,
+        profile_weight=1e9,
+        fit_context=False,
+    )
+    p = np.full(K, 0.9)
+    decode, prefill = AdaptivePlanner(cost, K), AdaptivePlanner(cost, K)
+    decode.choose_draft_depth(4, p)
+    prefill.choose_draft_depth(4, p, target_feed_tokens=4 + 96)
+    assert 0 < prefill.planned_budget < decode.planned_budget

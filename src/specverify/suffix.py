@@ -9,18 +9,21 @@ draft leaves nothing to roll back.
 The draft distribution for a context (`suffix_distribution`) is the continuation counts of the longest
 matching context, normalised (local and shared counts summed: a shared stream counts like the request's
 own text; at most `MAX_SUPPORT` of the heaviest tokens). The token is drawn from it, and it is the q of the
-rejection rule. Its confidence, the estimator's feature, is logit(q_max) of a smoothed version that also
-hears the shorter matches: from the longest match down to at most `MAX_LEVELS_MIXED` levels, Witten-Bell
-style,
+rejection rule. Its confidence, the estimator's feature, is logit(q~_max) of a smoothed version that
+also hears every shorter match, Witten-Bell style from the shortest matching level up:
 
-    q~_n(t) = (c_n(t) + T_n * q~_{n-1}(t)) / (C_n + T_n),   q~_{lowest - 1} = the "unseen" escape
+    q~_n(t) = (c_n(t) + T_n * q~_{n-1}(t)) / (C_n + T_n),   q~_0 = the "unseen" escape
 
-with C_n the count total and T_n the distinct continuations of level n. The mass left on "unseen" (a token
-never seen after this context) keeps q~_max below 1, so the feature is finite; it grows with the match
-length and with how concentrated the counts are. (Drawing from q~ itself lost a third of the accepted
-drafts: one continuation of a long match got about half the mass, the shorter matches' many others the
-rest, where the target copied the long match.) Nothing here is model code: tests drive it with plain
-token lists.
+with C_n the count total and T_n the distinct continuations of level n, and q~_max taken over the tokens
+drawn from. The mass left on "unseen" (a token never seen after this context) keeps q~_max below 1, so the
+feature is finite; it grows with the match length and with how concentrated the counts are. Prequential
+K + 1 fits on traces of the default target (32 `edit` prompts, K = 16, ~3,000 labels each): greedy ECE
+0.017 / AUC 0.947 against 0.023 / 0.926 smoothing over the longest 4 levels only, 0.079 / 0.823 over the
+longest alone, 0.011 / 0.931 (Brier 0.056 against 0.050) for log2(match length); at T=1 0.020 / 0.912
+against 0.025 / 0.894, 0.056 / 0.828 and 0.026 / 0.894. (Drawing from q~ itself lost a third of the
+accepted drafts: one continuation of a long match got about half the mass, the shorter matches' many
+others the rest, where the target copied the long match.) Nothing here is model code: tests drive it
+with plain token lists.
 """
 
 from __future__ import annotations
@@ -34,8 +37,6 @@ from dataclasses import dataclass
 # Context lengths whose continuations are counted: geometric past 4, so a match of up to 32 tokens costs
 # 8 table lookups per slot and 8 count updates per token read.
 LEVELS = (1, 2, 3, 4, 6, 8, 16, 32)
-# Levels interpolated below the longest match: lower ones hold many continuations that say little.
-MAX_LEVELS_MIXED = 4
 # The drawn distribution keeps at most this many of the heaviest seen tokens.
 MAX_SUPPORT = 32
 # |logit(q_max)| bound, as for the draft model's feature (features.DEFAULT_CLAMP).
@@ -132,7 +133,7 @@ class SuffixDraft:
 
     tokens: list[int]  # the longest match's continuations, ascending ids (empty: nothing matches)
     probs: list[float]  # their probabilities (normalised counts), summing to 1
-    qmax: float  # max probability of the smoothed distribution q~ (escape included), < 1
+    qmax: float  # max over the drawn tokens of the smoothed distribution q~ (escape included), < 1
     match_length: int  # longest matching context (0: none)
     count_total: int  # continuation count of the longest match
 
@@ -167,23 +168,21 @@ def suffix_distribution(context: Sequence[int], sources: Sequence[SuffixCounts])
             per_level.append(merged)
     if not per_level:
         return _NO_DRAFT
-    smoothed: dict[int, float] = {}
-    for counts in per_level[-MAX_LEVELS_MIXED:]:  # shortest to longest
-        total, distinct = sum(counts.values()), len(counts)
-        scale, mix = 1.0 / (total + distinct), distinct / (total + distinct)
-        smoothed = {t: mix * p for t, p in smoothed.items()}
-        for t, c in counts.items():
-            smoothed[t] = smoothed.get(t, 0.0) + c * scale
     longest = per_level[-1]
     kept = longest.items()
     if len(longest) > MAX_SUPPORT:
         kept = heapq.nlargest(MAX_SUPPORT, kept, key=lambda kv: kv[1])
     kept = sorted(kept)
+    tokens = [t for t, _ in kept]
+    smoothed = [0.0] * len(tokens)  # q~ of the drawn tokens, shortest level to longest
+    for counts in per_level:
+        total, distinct = sum(counts.values()), len(counts)
+        smoothed = [(counts.get(t, 0) + distinct * q) / (total + distinct) for t, q in zip(tokens, smoothed)]
     mass = sum(c for _, c in kept)
     return SuffixDraft(
-        tokens=[t for t, _ in kept],
+        tokens=tokens,
         probs=[c / mass for _, c in kept],
-        qmax=max(smoothed.values()),
+        qmax=max(smoothed),
         match_length=LEVELS[len(per_level) - 1],
         count_total=sum(longest.values()),
     )

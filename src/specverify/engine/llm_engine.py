@@ -44,9 +44,12 @@ _EXPLORATION_SHARE = 0.01
 # otherwise its cost is only predicted, from the profile and a drift the speculative steps move, and a
 # prediction that makes plain decoding look dear would never be checked. One while plain steps near this
 # batch size have fewer than _PLAIN_MIN_OBS measurements, then one every _PLAIN_PROBE_EVERY
-# speculative steps.
+# speculative steps; never while speculation is predicted to beat plain decoding by _PLAIN_CHECK_MARGIN
+# (plain steps would have to be that much cheaper than predicted to change the choice; at concurrency 4
+# greedy on `edit`, suffix drafts ran 3x plain and the check's six plain steps cost ~10 % of the round).
 _PLAIN_MIN_OBS = 3
 _PLAIN_PROBE_EVERY = 64
+_PLAIN_CHECK_MARGIN = 1.5
 
 
 def _add_fields(into, other) -> None:
@@ -453,9 +456,14 @@ class LLMEngine:
             self._speculative_streak += 1
             # Never on a step that prefills: the draft would miss the prompts, and their catch-up then
             # kept a whole c4 round plain where speculation ran 1.5x plain in the steady state.
-            if target_feed == len(running) and (
-                self._speculative_streak > _PLAIN_PROBE_EVERY
-                or self.planner.cost.plain_observations(len(running)) < _PLAIN_MIN_OBS
+            plain_rate = len(running) / max(float(self.planner.cost.plain_time(len(running))), 1e-12)
+            if (
+                target_feed == len(running)
+                and self.planner.expected_rate < _PLAIN_CHECK_MARGIN * plain_rate
+                and (
+                    self._speculative_streak > _PLAIN_PROBE_EVERY
+                    or self.planner.cost.plain_observations(len(running)) < _PLAIN_MIN_OBS
+                )
             ):
                 self._speculative_streak = 0
                 self._probing = True
