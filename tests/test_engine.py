@@ -322,6 +322,7 @@ def test_plain_steps_stay_measured_while_speculation_is_on(monkeypatch, clear_wi
     engine, *_ = make_engine(
         k=3, max_num_seqs=4, cost_model=CostModel(tokens, np.ones(5), tokens, np.ones(5))
     )
+
     def choose(num_requests, *args, **kwargs) -> int:  # speculation always pays: by a little, or by 2x
         plain_rate = num_requests / engine.planner.cost.plain_time(num_requests)  # as now predicted
         engine.planner.expected_rate = plain_rate * (2.0 if clear_win else 1.2)

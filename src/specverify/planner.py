@@ -410,7 +410,11 @@ class AdaptivePlanner:
         g_cum = np.concatenate([[0.0], np.cumsum(gain[order])])
         m = np.arange(n + 1)
         r_all = max(self.num_requests, n)
-        base = r_all + depth_done * n + self.prefill_tokens if num_tokens_so_far is None else int(num_tokens_so_far)
+        base = (
+            r_all + depth_done * n + self.prefill_tokens
+            if num_tokens_so_far is None
+            else int(num_tokens_so_far)
+        )
         ctx = self.context_tokens
         cost = (
             self.cost.draft_time(m) + self.cost.target_time(base + m, ctx) - self.cost.target_time(base, ctx)

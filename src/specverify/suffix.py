@@ -177,7 +177,10 @@ def suffix_distribution(context: Sequence[int], sources: Sequence[SuffixCounts])
     smoothed = [0.0] * len(tokens)  # q~ of the drawn tokens, shortest level to longest
     for counts in per_level:
         total, distinct = sum(counts.values()), len(counts)
-        smoothed = [(counts.get(t, 0) + distinct * q) / (total + distinct) for t, q in zip(tokens, smoothed)]
+        smoothed = [
+            (counts.get(t, 0) + distinct * q) / (total + distinct)
+            for t, q in zip(tokens, smoothed, strict=True)
+        ]
     mass = sum(c for _, c in kept)
     return SuffixDraft(
         tokens=tokens,
