@@ -650,3 +650,23 @@ def test_real_model_chat_over_http(smollm2_gguf, specverify_cache) -> None:
         m = s.metrics()
         assert m[("specverify_drafted_tokens_total", (("position", "0"),))] > 0
         assert m[("specverify_accepted_tokens_total", (("position", "0"),))] > 0  # a model agrees with itself
+
+
+def test_a_suffix_drafting_server_names_its_drafter_in_the_metrics() -> None:
+    target = SlowToyRunner(VOCAB, table_logits(VOCAB, 1, sharpness=2.0))
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=8)
+    engine = LLMEngine(
+        target, ChatToyTokenizer(VOCAB, eos_token_id=None), EngineConfig(speculative=spec), model_name=MODEL
+    )
+    with serve(engine) as s:
+        client = s.client()
+        for i in range(3):
+            client.completions.create(
+                model=MODEL, prompt="t1 t2 t1 t2 t1", max_tokens=20, temperature=1.0, seed=i
+            )
+        s.wait_for(lambda: s.metrics().get(("specverify_in_flight_requests", ())) == 0)
+        m = s.metrics()
+        drafter = ("drafter", "suffix")
+        assert m[("specverify_drafter_info", (drafter,))] == 1.0
+        assert m[("specverify_drafted_tokens_total", (("position", "0"),))] > 0
+        assert 0.0 <= m[("specverify_estimator_ece", (drafter,))] <= 1.0
