@@ -602,7 +602,7 @@ class LLMEngine:
                 active = active[slot.matched]
                 q, trace_values = slot.q, slot.trace
                 features[active, k], raw_qmax[active, k] = slot.features, slot.qmax
-                reqs = [running[i] for i in active]
+                drawn = torch.tensor(slot.drawn, dtype=torch.long)
                 forwarded = draft_start  # no forward: all of it is drafting work
             else:
                 reqs = [running[i] for i in active]
@@ -619,9 +619,10 @@ class LLMEngine:
                 features[active, k], raw_qmax[active, k], one_token = self._slot_features(logits, params, q)
                 if self.trace is not None:
                     trace_values = self._trace_values(logits, params, one_token)
+                drawn = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
             if active.size:
                 idx = torch.from_numpy(active)
-                draft_tokens[idx, k] = sampler.sample(q, self._uniforms(reqs, 1)[:, 0])
+                draft_tokens[idx, k] = drawn
                 draft_row[idx, k] = torch.arange(len(active)) + int(drafted.sum())  # rows stacked so far
                 draft_dists.append(q)
                 drafted[active] += 1

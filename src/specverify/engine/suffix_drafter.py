@@ -29,6 +29,7 @@ class SuffixSlot:
 
     matched: np.ndarray  # [n] bool
     q: SparseRows  # one row per matched request
+    drawn: list[int]  # the token drawn from each row of q
     features: np.ndarray  # [m] logit(q_max) of the smoothed distribution
     qmax: np.ndarray  # [m]
     trace: dict[str, np.ndarray]  # [m] per trace feature
@@ -55,12 +56,15 @@ class SuffixDrafter:
     def draft_slot(
         self, requests: Sequence[Request], drafted: Sequence[Sequence[int]], greedy: Sequence[bool]
     ) -> SuffixSlot:
-        """Each request's draft distribution after its text plus `drafted` (its drafts so far)."""
+        """Each request's draft distribution after its text plus `drafted` (its drafts so far), and the
+        token drawn from it: inverse CDF over the few kept tokens with one uniform from the request's
+        generator (as `sparse.sample` would, without a tensor round trip per slot)."""
         sources_shared = [self.shared.counts] if self.shared is not None else []
         matched = np.zeros(len(requests), dtype=bool)
         tokens: list[int] = []
         probs: list[float] = []
         counts: list[int] = []
+        drawn: list[int] = []
         features, qmax, lengths, totals = [], [], [], []
         for i, (r, extra, is_greedy) in enumerate(zip(requests, drafted, greedy, strict=True)):
             stream = self.streams[r.seq_id]
@@ -69,14 +73,17 @@ class SuffixDrafter:
             if not d.tokens:
                 continue
             matched[i] = True
+            u = float(torch.rand(1, generator=r.generator))
             if is_greedy:
-                tokens.append(d.tokens[int(np.argmax(d.probs))])
+                tokens.append(d.tokens[max(range(len(d.probs)), key=d.probs.__getitem__)])
                 probs.append(1.0)
                 counts.append(1)
+                drawn.append(tokens[-1])
             else:
                 tokens.extend(d.tokens)
                 probs.extend(d.probs)
                 counts.append(len(d.tokens))
+                drawn.append(_inverse_cdf(d.tokens, d.probs, u))
             features.append(d.feature)
             qmax.append(d.qmax)
             lengths.append(d.match_length)
@@ -93,6 +100,7 @@ class SuffixDrafter:
         return SuffixSlot(
             matched=matched,
             q=q,
+            drawn=drawn,
             features=features_np,
             qmax=np.asarray(qmax, dtype=np.float64),
             trace={
@@ -107,3 +115,13 @@ class SuffixDrafter:
         self.streams.pop(request.seq_id, None)
         if self.shared is not None:
             self.shared.add(request.output_token_ids)
+
+
+def _inverse_cdf(tokens: Sequence[int], probs: Sequence[float], u: float) -> int:
+    """The token whose cumulative probability first exceeds u * total (a zero-probability token never)."""
+    target, acc = u * sum(probs), 0.0
+    for token, p in zip(tokens, probs, strict=True):
+        acc += p
+        if acc > target:
+            return token
+    return next(t for t, p in zip(reversed(tokens), reversed(probs), strict=True) if p > 0)
