@@ -253,7 +253,7 @@ class LLMEngine:
     def load_estimator_dict(self, state: dict) -> None:
         """Warm start from `estimator_state()`; a single estimator's state (older files) warms the
         sampled-request estimator only. A state fitted on another feature still loads (it is close, and
-        the fit follows new labels within its half-life) but says so."""
+        the fit follows new labels within its half-life) but says so; one of another drafter is refused."""
         combined = isinstance(state, dict) and state.get("kind") == "SpeculationEstimators"
         # States saved before there were several drafters came from the draft model.
         drafter = state.get("drafter", "draft_model") if combined else "draft_model"
