@@ -204,16 +204,13 @@ class AdaptivePlanner:
         # Verified drafts ride in the same forward as the tokens being prefilled: they cost what they add
         # there (on this CPU a verified token added 6.8 ms to a 527-token prefill forward, 4.2 ms to a
         # 15-token decode forward), not what they would add to a decode-only forward.
-        extra = target_feed - r_count
-        seconds = draft_cost[:, None] + self.cost.target_time(r_count + budget_tokens, context_tokens)
-        if extra:
-            seconds = (
-                seconds
-                + self.cost.target_time(target_feed + budget_tokens, context_tokens)
-                - self.cost.target_time(r_count + budget_tokens, context_tokens)
-                - self.cost.target_time(target_feed, context_tokens)
-                + self.cost.target_time(r_count, context_tokens)
-            )
+        # Without a prefill (target_feed == r_count) this is target_time(r_count + budget).
+        seconds = (
+            draft_cost[:, None]
+            + self.cost.target_time(r_count, context_tokens)
+            + self.cost.target_time(target_feed + budget_tokens, context_tokens)
+            - self.cost.target_time(target_feed, context_tokens)
+        )
         seconds[depths == 0] = self.cost.plain_time(r_count)
         seconds = seconds + prefill
         seconds = np.maximum(seconds, 1e-12)

@@ -38,8 +38,6 @@ class SuffixSlot:
 class SuffixDrafter:
     """Per-request suffix streams plus an optional shared cache of `cache_tokens` output tokens."""
 
-    name = "suffix"
-
     def __init__(self, vocab_size: int, cache_tokens: int = 0) -> None:
         self.vocab_size = int(vocab_size)
         self.streams: dict[int, SuffixStream] = {}
@@ -73,7 +71,7 @@ class SuffixDrafter:
             if not d.tokens:
                 continue
             matched[i] = True
-            u = float(torch.rand(1, generator=r.generator))
+            u = float(torch.rand(1, generator=r.generator))  # greedy rows draw one too, as sampled ones
             if is_greedy:
                 tokens.append(d.tokens[max(range(len(d.probs)), key=d.probs.__getitem__)])
                 probs.append(1.0)
