@@ -200,7 +200,7 @@ def test_bad_prompts_raise_clear_errors(prompt, error) -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -3}, "top_k"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"seed": "x"}, "seed"),
         ({"stop": [""]}, "stop"),
     ],

@@ -43,19 +43,22 @@ def smollm2():
     return model, draft_model, config, load_tokenizer(path)
 
 
-def generate(smollm2, spec: SpeculativeConfig | None, cost_model=None):
+def generate(smollm2, spec: SpeculativeConfig | None, cost_model=None, logprobs=None, prompts=None):
     model, draft_model, config, tokenizer = smollm2
     target = TorchModelRunner(model, config, dtype="float32", max_model_len=512)
     draft = TorchModelRunner(draft_model, config, dtype="float32", max_model_len=512) if spec else None
     engine = LLMEngine(
         target, tokenizer, EngineConfig(max_num_seqs=4, speculative=spec), draft=draft, cost_model=cost_model
     )
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ids = [engine.add_request(tokenizer.encode(p, add_special_tokens=False), params) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
+    prompts = prompts or [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    ids = [engine.add_request(p, params) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert target.num_sequences == 0
+    if logprobs is not None:
+        return [done[i] for i in ids], engine.stats
     return [done[i].output_token_ids for i in ids], engine.stats
 
 
@@ -84,3 +87,39 @@ def test_greedy_adaptive_equals_greedy_plain(smollm2) -> None:
     )
     assert stats.verified_tokens > 0
     assert spec == plain
+
+
+def _close(a: dict, b: dict, top: int) -> None:
+    """Same chosen token and top alternatives, log-probabilities equal up to round-off."""
+    assert next(iter(a)) == next(iter(b))
+    assert {t for t, e in a.items() if e.rank <= top} == {t for t, e in b.items() if e.rank <= top}
+    for token, entry in a.items():
+        assert entry.logprob == pytest.approx(b[token].logprob, abs=2e-3)
+
+
+def test_greedy_logprobs_are_the_same_with_and_without_speculation(smollm2) -> None:
+    plain, _ = generate(smollm2, None, logprobs=5)
+    spec, stats = generate(smollm2, SpeculativeConfig(num_speculative_tokens=4), logprobs=5)
+    assert 0 < stats.accepted_tokens < stats.verified_tokens
+    for a, b in zip(plain, spec, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert len(a.logprobs) == len(b.logprobs) == len(a.output_token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            _close(x, y, 5)
+
+
+def test_prompt_scoring_matches_generation_logprobs(smollm2) -> None:
+    """Scoring prompt + completion (max_tokens 0) gives the completion tokens the log-probabilities
+    their generation reported: one distribution, whichever path computes it."""
+    model, draft_model, config, tokenizer = smollm2
+    generated, _ = generate(smollm2, SpeculativeConfig(num_speculative_tokens=4), logprobs=3)
+    target = TorchModelRunner(model, config, dtype="float32", max_model_len=512)
+    engine = LLMEngine(target, tokenizer, EngineConfig())
+    for out in generated:
+        ids = out.prompt_token_ids + out.output_token_ids
+        engine.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=3), "score")
+        (scored,) = [o for o in engine.step() if o.finished]
+        assert scored.output_token_ids == [] and len(scored.prompt_logprobs) == len(ids)
+        for x, y in zip(scored.prompt_logprobs[len(out.prompt_token_ids) :], out.logprobs, strict=True):
+            _close(x, y, 3)
+    assert target.num_sequences == 0

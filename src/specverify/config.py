@@ -114,8 +114,14 @@ class EngineConfig:
     seed: int = 0
     speculative: SpeculativeConfig | None = None
     record_trace: str | None = None  # path of a JSONL trace of labelled drafts
+    # Which distribution `logprobs` report (logprobs.py): "raw_logprobs" or "processed_logprobs".
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        from specverify.logprobs import LOGPROBS_MODES
+
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         budget = self.max_prefill_tokens

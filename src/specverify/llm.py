@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -125,6 +125,7 @@ class LLM:
         max_prefill_tokens: int | None = 512,
         seed: int = 0,
         record_trace: str | None = None,
+        logprobs_mode: str = "raw_logprobs",
         models: LoadedModels | None = None,
         cost_model=None,
     ) -> None:
@@ -136,6 +137,7 @@ class LLM:
             seed=seed,
             speculative=spec,
             record_trace=record_trace,
+            logprobs_mode=logprobs_mode,
         )
         self.models = models or load_models(
             model,
@@ -196,11 +198,19 @@ class LLM:
         self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         order = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="generating", disable=not use_tqdm, unit="req") as bar:
+        done: dict[str, list[RequestOutput]] = {rid: [] for rid in order}
+        total = sum(p.n for p in params)
+        with tqdm(total=total, desc="generating", disable=not use_tqdm, unit="seq") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
-                        done[out.request_id] = out
+                        done[out.group_id].append(out)
                         bar.update(1)
-        return [done[rid] for rid in order]
+        return [_merge_samples(done[rid]) for rid in order]
+
+
+def _merge_samples(samples: list[RequestOutput]) -> RequestOutput:
+    """One output per prompt, as vLLM gives it: `outputs` holds every sample in index order, and the
+    fields of sample 0 stand for the request (so `n = 1` reads as before)."""
+    samples = sorted(samples, key=lambda out: out.index)
+    return replace(samples[0], request_id=samples[0].group_id, outputs=samples)

@@ -21,9 +21,10 @@ import torch
 from specverify import sampler
 from specverify.config import ConfigError, EngineConfig
 from specverify.engine.scheduler import Scheduler
-from specverify.engine.sequence import Request, RequestOutput
+from specverify.engine.sequence import PromptGroup, Request, RequestOutput
 from specverify.engine.suffix_drafter import SUFFIX_FEATURE_ID
 from specverify.features import ACCEPTANCE_FEATURE_ID
+from specverify.logprobs import PositionLogprobs, log_distributions, position_logprobs
 from specverify.models.base import ModelRunner
 from specverify.sampling_params import SamplingParams
 
@@ -50,6 +51,9 @@ _EXPLORATION_SHARE = 0.01
 _PLAIN_MIN_OBS = 3
 _PLAIN_PROBE_EVERY = 64
 _PLAIN_CHECK_MARGIN = 1.5
+# Prompt tokens per forward when a prompt is scored (prompt logprobs): the forward's logits are
+# [chunk, vocabulary] float32, 155 MB at 256 tokens of the default target's 151,936-token vocabulary.
+_SCORING_CHUNK = 256
 
 
 def _add_fields(into, other) -> None:
@@ -196,6 +200,7 @@ class LLMEngine:
         self._plain_seconds = 0.0  # predicted time of the plain steps since the last probe
         self._probing = False
         self._probe_rows: np.ndarray | None = None  # rows drafting in a probe step (None: all)
+        self._token_text: dict[int, str] = {}  # decoded single tokens, for log-probability entries
         if self.spec is not None:
             self._init_speculation(cost_model)
 
@@ -347,21 +352,34 @@ class LLMEngine:
             if params.seed is not None
             else int(self._seed_source.spawn(1)[0].generate_state(1)[0])
         )
-        request = Request(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            params=params,
-            generator=torch.Generator().manual_seed(seed),
-            arrival_time=time.perf_counter(),
-        )
-        self.scheduler.add(request)
-        return request.request_id
+        request_id = request_id or uuid.uuid4().hex
+        group = PromptGroup(request_id) if params.n > 1 else None
+        for index in range(params.n):
+            # Sample 0 keeps the request's seed, so n = 1 draws as before; the others get their own.
+            sample_seed = (
+                seed if index == 0 else int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+            )
+            request = Request(
+                request_id=request_id if group is None else f"{request_id}-{index}",
+                prompt_token_ids=ids,
+                params=params,
+                generator=torch.Generator().manual_seed(sample_seed),
+                arrival_time=time.perf_counter(),
+                group=group,
+                index=index,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            if group is not None:
+                group.waiting.add(request.seq_id)
+            self.scheduler.add(request)
+        return request_id
 
     def abort_request(self, request_id: str) -> None:
-        request = self.scheduler.remove(request_id)
-        if request is not None:
-            request.finished, request.finish_reason = True, "abort"
-            self._release(request)
+        """Abort a request: all its samples when it asked for several."""
+        for request in [*self.scheduler.waiting, *self.scheduler.running]:
+            if request.group_id == request_id and self.scheduler.remove(request.request_id) is not None:
+                request.finished, request.finish_reason = True, "abort"
+                self._release(request)
 
     def has_unfinished_requests(self) -> bool:
         return len(self.scheduler) > 0
@@ -377,19 +395,29 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        running = self.scheduler.schedule()
-        if not running:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
             return []
         start = time.perf_counter()
+        self._prepare(scheduled)
+        # max_tokens = 0: prefilled (and scored) only, they finish here without decoding.
+        outputs = [self._emit(r, [], []) for r in scheduled if r.params.max_tokens == 0]
+        running = [r for r in scheduled if r.params.max_tokens > 0]
+        if not running:
+            self.scheduler.finish(scheduled)
+            return outputs
         # Which requests decode greedily: they use the greedy estimator (computed once per step).
         greedy = self._greedy_rows(running)
         depth = self._draft_depth(running, greedy)
         if depth == 0:
-            new_tokens = self._plain_step(running)
+            new_tokens, new_logprobs = self._plain_step(running)
         else:
-            new_tokens = self._speculative_step(running, depth, greedy)
-        outputs = [self._emit(request, tokens) for request, tokens in zip(running, new_tokens, strict=True)]
-        self.scheduler.finish([r for r in running if r.finished])
+            new_tokens, new_logprobs = self._speculative_step(running, depth, greedy)
+        outputs += [
+            self._emit(request, tokens, entries)
+            for request, tokens, entries in zip(running, new_tokens, new_logprobs, strict=True)
+        ]
+        self.scheduler.finish([r for r in scheduled if r.finished])
         elapsed = time.perf_counter() - start
         stats = self.stats
         profile = stats.profile
@@ -540,7 +568,7 @@ class LLMEngine:
     def _feeds(self, runner: ModelRunner, requests: list[Request]) -> list[list[int]]:
         return [r.tokens[runner.cache_length(r.seq_id) :] for r in requests]
 
-    def _plain_step(self, running: list[Request]) -> list[list[int]]:
+    def _plain_step(self, running: list[Request]) -> tuple[list[list[int]], list]:
         params = [r.params for r in running]
         feeds = self._feeds(self.target, running)
         profile = self.stats.profile
@@ -548,16 +576,18 @@ class LLMEngine:
         logits = self.target.forward([r.seq_id for r in running], feeds, [1] * len(running))
         forwarded = time.perf_counter()
         probs = sampler.probabilities(sampler.apply_target_transforms(logits, params), params)
-        tokens = sampler.sample(probs, self._uniforms(running, 1)[:, 0])
+        tokens = [[t] for t in sampler.sample(probs, self._uniforms(running, 1)[:, 0]).tolist()]
         done = time.perf_counter()
         profile.target_forward += forwarded - start
         profile.target_sampling += done - forwarded
         if self.planner is not None:
             # Plain steps keep their own cost curve fresh (speculation may be off at this load).
             self.planner.cost.observe_plain(sum(map(len, feeds)), done - start)
-        return [[t] for t in tokens.tolist()]
+        return tokens, self._emitted_logprobs(running, logits, list(range(len(running))), tokens)
 
-    def _speculative_step(self, running: list[Request], depth: int, greedy: np.ndarray) -> list[list[int]]:
+    def _speculative_step(
+        self, running: list[Request], depth: int, greedy: np.ndarray
+    ) -> tuple[list[list[int]], list]:
         r_count = len(running)
         profile = self.stats.profile
         # Never draft past what the request may still emit, nor past the context window.
@@ -701,7 +731,8 @@ class LLMEngine:
                 self.draft.truncate(request.seq_id, kept)
             new_tokens.append(draft_tokens[i, :a].tolist() + [int(final[i])])
             request.metrics.add(int(drafted[i]), int(num_verified[i]), a)
-        return new_tokens
+        # Every kept token's log-probabilities come from the row of the forward that verified it.
+        return new_tokens, self._emitted_logprobs(running, logits, first.tolist(), new_tokens)
 
     def _slot_features(
         self, logits: torch.Tensor, params: list[SamplingParams], q: sampler.SparseRows
@@ -812,11 +843,17 @@ class LLMEngine:
 
     # ---- output -------------------------------------------------------------------------------------
 
-    def _emit(self, request: Request, tokens: list[int]) -> RequestOutput:
+    def _emit(
+        self, request: Request, tokens: list[int], entries: list[PositionLogprobs] | None
+    ) -> RequestOutput:
         appended = []
-        for token in tokens:
+        if request.params.max_tokens == 0:
+            request.finished, request.finish_reason = True, "length"
+        for at, token in enumerate(tokens):
             request.output_token_ids.append(token)
             appended.append(token)
+            if request.logprobs is not None:
+                request.logprobs.append(entries[at])
             if token in self.eos_token_ids and not request.params.ignore_eos:
                 request.finished, request.finish_reason = True, "stop"
             elif token in request.params.stop_token_ids:
@@ -841,6 +878,10 @@ class LLMEngine:
             finished=request.finished,
             finish_reason=request.finish_reason,
             metrics=request.metrics,
+            group_id=request.group_id,
+            index=request.index,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def _update_text(self, request: Request) -> None:
@@ -859,6 +900,109 @@ class LLMEngine:
             self.draft.release(request.seq_id)
         if self.suffix is not None:
             self.suffix.release(request)
+        if request.group is not None:
+            self._leave_group(request)
+
+    # ---- prompts prefilled before their first step: scored prompts, prompts of several samples ------
+
+    def _prepare(self, scheduled: list[Request]) -> None:
+        """Prefill, before its first step, each new request that scores its prompt (prompt logprobs),
+        samples it several times (the samples copy one prefill) or only prefills (max_tokens = 0).
+        The last prompt token is left to the step, as for every request."""
+        for request in scheduled:
+            if request.prepared:
+                continue
+            request.prepared = True
+            params, group = request.params, request.group
+            if group is not None:
+                if not group.prefilled:
+                    group.prompt_logprobs = self._prefill(group.seq_id, request, draft=True)
+                    group.prefilled = True
+                request.prompt_logprobs = group.prompt_logprobs
+                length = min(self.target.cache_length(group.seq_id), request.num_tokens - 1)
+                if params.max_tokens > 0 and length > 0:
+                    self.target.fork(group.seq_id, request.seq_id, length)
+                    if self.draft is not None:
+                        self.draft.fork(group.seq_id, request.seq_id, length)
+                self._leave_group(request)
+            elif params.prompt_logprobs is not None:
+                request.prompt_logprobs = self._prefill(request.seq_id, request, draft=False)
+
+    def _prefill(self, seq_id: int, request: Request, draft: bool) -> list[PositionLogprobs | None] | None:
+        """Feed the prompt but its last token to sequence `seq_id` of the target (and of the draft when
+        `draft`); with prompt logprobs asked, return them (position 0 has none)."""
+        params, prompt = request.params, request.prompt_token_ids
+        fed = prompt[: len(prompt) - 1]
+        scoring = params.prompt_logprobs is not None
+        chunk = _SCORING_CHUNK if scoring else (self.config.max_prefill_tokens or len(fed) or 1)
+        entries: list[PositionLogprobs | None] = [None]
+        profile = self.stats.profile
+        for begin in range(0, len(fed), chunk):
+            piece = fed[begin : begin + chunk]
+            start = time.perf_counter()
+            logits = self.target.forward([seq_id], [piece], [len(piece) if scoring else 0])
+            profile.target_forward += time.perf_counter() - start
+            if scoring:
+                start = time.perf_counter()
+                scored = prompt[begin + 1 : begin + 1 + len(piece)]
+                entries += self._logprob_entries(
+                    logits, [params] * len(piece), scored, params.prompt_logprobs
+                )
+                profile.target_sampling += time.perf_counter() - start
+            if draft and self.draft is not None:
+                start = time.perf_counter()
+                self.draft.forward([seq_id], [piece], [0])
+                profile.draft_forward += time.perf_counter() - start
+        return entries if scoring else None
+
+    def _leave_group(self, request: Request) -> None:
+        """`request` no longer needs its group's prompt cache; the last one to leave frees it."""
+        group = request.group
+        group.waiting.discard(request.seq_id)
+        if not group.waiting and group.prefilled:
+            self.target.release(group.seq_id)
+            if self.draft is not None:
+                self.draft.release(group.seq_id)
+
+    # ---- log-probabilities --------------------------------------------------------------------------
+
+    def _emitted_logprobs(
+        self, running: list[Request], logits: torch.Tensor, first_rows: list[int], new_tokens: list[list[int]]
+    ) -> list[list[PositionLogprobs] | None]:
+        """Per request, the entries of its new tokens (the j-th from row first_rows[i] + j of the step's
+        target logits); None for requests that do not ask. Costs nothing when no request asks."""
+        asking = [i for i, r in enumerate(running) if r.params.logprobs is not None]
+        out: list[list[PositionLogprobs] | None] = [None] * len(running)
+        if not asking:
+            return out
+        start = time.perf_counter()
+        rows = [first_rows[i] + j for i in asking for j in range(len(new_tokens[i]))]
+        tokens = [t for i in asking for t in new_tokens[i]]
+        params = [running[i].params for i in asking for _ in new_tokens[i]]
+        entries = self._logprob_entries(logits[rows], params, tokens, [p.logprobs for p in params])
+        at = 0
+        for i in asking:
+            out[i], at = entries[at : at + len(new_tokens[i])], at + len(new_tokens[i])
+        self.stats.profile.target_sampling += time.perf_counter() - start
+        return out
+
+    def _logprob_entries(
+        self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int], top_n
+    ) -> list[PositionLogprobs]:
+        """Entries of `tokens[i]` and its best alternatives from raw logits row i (logprobs.py)."""
+        transformed = sampled = None
+        if self.config.logprobs_mode == "processed_logprobs":
+            transformed = sampler.apply_target_transforms(logits, params)
+            sampled = sampler.probabilities(transformed, params)
+        logprobs = log_distributions(logits, params, self.config.logprobs_mode, transformed, sampled)
+        top_n = [top_n] * len(tokens) if isinstance(top_n, int) else list(top_n)
+        return position_logprobs(logprobs, tokens, top_n, self._decode_token)
+
+    def _decode_token(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     def close(self) -> None:
         if self.trace is not None:

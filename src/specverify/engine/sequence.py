@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specverify.logprobs import PositionLogprobs
 from specverify.sampling_params import SamplingParams
 
 # Sequence ids are unique per process, so engines that share loaded runners (the benchmark runs several
@@ -43,6 +44,18 @@ class RequestMetrics:
 
 
 @dataclass
+class PromptGroup:
+    """The `n` samples of one prompt: its prompt is prefilled once, into a cache of its own (`seq_id`)
+    that each sample copies when it starts; the cache is freed once no sample still needs it."""
+
+    request_id: str  # what the caller named the request; the samples are `{request_id}-{index}`
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    waiting: set[int] = field(default_factory=set)  # seq ids of samples that have not copied it yet
+    prefilled: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -56,6 +69,16 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    group: PromptGroup | None = None  # with n > 1: the samples of one prompt
+    index: int = 0  # which of the n samples
+    prepared: bool = False  # prefilled before its first step (prompt logprobs, a shared prompt)
+    logprobs: list[PositionLogprobs] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token (first: None)
+
+    @property
+    def group_id(self) -> str:
+        """The id the caller gave: the samples of one prompt share it."""
+        return self.request_id if self.group is None else self.group.request_id
 
     @property
     def tokens(self) -> list[int]:
@@ -80,3 +103,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    group_id: str = ""  # the id the caller gave (several samples of one prompt share it)
+    index: int = 0  # which of the prompt's n samples
+    logprobs: list[PositionLogprobs] | None = None  # per output token so far (None: not asked)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # All n samples of the prompt in index order (LLM.generate fills it; the engine leaves it empty).
+    outputs: list[RequestOutput] = field(default_factory=list)

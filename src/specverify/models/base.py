@@ -39,6 +39,11 @@ class ModelRunner(Protocol):
         """Forget the sequence and free its cache (unknown ids are ignored)."""
         ...
 
+    def fork(self, source: int, seq_id: int, length: int) -> None:
+        """Start sequence `seq_id` (not yet known) with a copy of the first `length` cached tokens of
+        `source`: what several samples of one prompt share."""
+        ...
+
 
 def check_logit_token_ids(token_ids, vocab_size: int) -> torch.Tensor:
     """The ids a runner's `restrict_logits` narrows its logits to, as int64 on the CPU: a non-empty,

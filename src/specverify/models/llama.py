@@ -53,6 +53,17 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def copy(self, length: int, limit: int) -> KVCache:
+        """A new cache holding this one's first `length` positions."""
+        out = KVCache.__new__(KVCache)
+        out._shape, out.length = self._shape, 0
+        out.k, out.v = self.k[:, :, :0], self.v[:, :, :0]
+        out.reserve(length, limit)
+        out.k[:, :, :length] = self.k[:, :, :length]
+        out.v[:, :, :length] = self.v[:, :, :length]
+        out.length = length
+        return out
+
 
 @dataclass
 class SeqChunk:

@@ -197,6 +197,15 @@ class TorchModelRunner:
     def release(self, seq_id: int) -> None:
         self._caches.pop(seq_id, None)
 
+    def fork(self, source: int, seq_id: int, length: int) -> None:
+        if seq_id in self._caches:
+            raise ValueError(f"cannot fork into sequence {seq_id}: it already has a cache")
+        if not 0 <= length <= self.cache_length(source):
+            raise ValueError(
+                f"cannot fork {length} tokens of sequence {source}: it holds {self.cache_length(source)}"
+            )
+        self._caches[seq_id] = self._caches[source].copy(length, self.max_model_len)
+
     # ------------------------------------------------------------------ extras
     @property
     def num_sequences(self) -> int:

@@ -66,6 +66,11 @@ class ToyRunner:
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
 
+    def fork(self, source: int, seq_id: int, length: int) -> None:
+        if seq_id in self.caches or not 0 <= length <= self.cache_length(source):
+            raise ValueError(f"cannot fork {length} tokens of sequence {source} into {seq_id}")
+        self.caches[seq_id] = list(self.caches[source][:length])
+
 
 def table_logits(vocab_size: int, seed: int, sharpness: float = 2.0, order: int = 2) -> LogitsFn:
     """A random n-gram model: logits depend on the last `order` tokens through a fixed random table."""
