@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from specverify.config import EngineConfig, SpeculativeConfig
@@ -69,7 +70,11 @@ class SlowToyRunner(ToyRunner):
 
 
 def make_engine(
-    speculative: bool = True, max_num_seqs: int = 16, delay: float = 0.0, max_model_len: int = 4096
+    speculative: bool = True,
+    max_num_seqs: int = 16,
+    delay: float = 0.0,
+    max_model_len: int = 4096,
+    logprobs_mode: str = "raw_logprobs",
 ) -> LLMEngine:
     target_fn = table_logits(VOCAB, 1, sharpness=2.0)
     noise_fn = table_logits(VOCAB, 2, sharpness=1.0)
@@ -79,7 +84,7 @@ def make_engine(
     if speculative and HAS_ESTIMATOR:
         spec = SpeculativeConfig(num_speculative_tokens=3)
         draft = ToyRunner(VOCAB, lambda c: target_fn(c) + noise_fn(c), max_model_len=max_model_len)
-    config = EngineConfig(max_num_seqs=max_num_seqs, speculative=spec)
+    config = EngineConfig(max_num_seqs=max_num_seqs, speculative=spec, logprobs_mode=logprobs_mode)
     return LLMEngine(
         target, ChatToyTokenizer(VOCAB, eos_token_id=None), config, draft=draft, model_name=MODEL
     )
@@ -139,6 +144,10 @@ def serve(engine: LLMEngine, **kwargs) -> Iterator[Served]:
 
 def completion_body(**overrides) -> dict:
     return {"model": MODEL, "prompt": "t1 t2 t3", "max_tokens": 5, "temperature": 0} | overrides
+
+
+def chat_body(**overrides) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3} | overrides
 
 
 def assert_error(
@@ -249,6 +258,341 @@ def test_metrics_expose_speculation_state() -> None:
             assert ("specverify_estimator_intercept", (drafter, ("position", "2"))) in m
             assert 0.0 <= m[("specverify_estimator_ece", (drafter,))] <= 1.0
             assert m[("specverify_estimator_calibration", (drafter, ("statistic", "labels")))] > 0
+
+
+# ---- log-probabilities and n choices -----------------------------------------------------------------
+
+
+def target_logprobs(engine: LLMEngine, context: list[int]) -> torch.Tensor:
+    """The toy target's log-softmax after `context`: what every reported log-probability must be."""
+    return torch.log_softmax(engine.target.logits_fn(tuple(context)).float(), dim=0)
+
+
+def token_id(text: str) -> int:
+    return int(text[1:])  # the toy tokenizer renders id i as "ti"
+
+
+def check_legacy_logprobs(
+    engine: LLMEngine, logprobs, context: list[int], top: int, first_offset: int = 0
+) -> None:
+    """Completions' logprobs, position by position (`context` leads up to the first listed token)."""
+    tokens = logprobs.tokens
+    assert logprobs.text_offset == [first_offset + sum(map(len, tokens[:k])) for k in range(len(tokens))]
+    context = list(context)
+    for text, logprob, alternatives in zip(
+        tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        token, truth = token_id(text), target_logprobs(engine, context)
+        assert logprob == pytest.approx(float(truth[token]), abs=1e-4)
+        best = torch.topk(truth, top).indices.tolist() if top else []
+        assert {token_id(t) for t in alternatives} == {token} | set(best)  # the chosen token and the top N
+        for t, value in alternatives.items():
+            assert value == pytest.approx(float(truth[token_id(t)]), abs=1e-4)
+        context.append(token)
+
+
+def check_chat_logprobs(engine: LLMEngine, content, context: list[int], top: int) -> None:
+    context = list(context)
+    for entry in content:
+        token, truth = token_id(entry.token), target_logprobs(engine, context)
+        assert entry.logprob == pytest.approx(float(truth[token]), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+        assert [token_id(e.token) for e in entry.top_logprobs] == torch.topk(truth, top).indices.tolist()
+        for e in entry.top_logprobs:
+            assert e.logprob == pytest.approx(float(truth[token_id(e.token)]), abs=1e-4)
+        context.append(token)
+
+
+def test_completion_logprobs_are_the_targets_greedy_sampled_and_streamed() -> None:
+    engine = make_engine()
+    with serve(engine) as s:
+        client = s.client()
+        prompt = [1, 2, 3]
+        greedy = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3
+        )
+        choice = greedy.choices[0]
+        assert len(choice.logprobs.tokens) == 8 and " ".join(choice.logprobs.tokens) == choice.text
+        check_legacy_logprobs(engine, choice.logprobs, prompt, 3)
+        context = list(prompt)
+        for text in choice.logprobs.tokens:  # greedy: each token is the target's most likely
+            assert token_id(text) == int(target_logprobs(engine, context).argmax())
+            context.append(token_id(text))
+
+        # Sampled: still the raw target distribution (before temperature, top-k, top-p).
+        sampled = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0.7, top_p=0.9, seed=5, logprobs=2
+        )
+        check_legacy_logprobs(engine, sampled.choices[0].logprobs, prompt, 2)
+        # logprobs 0 (as vLLM): each position lists the chosen token alone.
+        zero = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+        assert [list(top) for top in zero.choices[0].logprobs.top_logprobs] == [
+            [t] for t in zero.choices[0].logprobs.tokens
+        ]
+        assert zero.choices[0].logprobs.tokens == choice.logprobs.tokens[:4]
+
+        # Streamed: each chunk carries its own tokens, offsets run on, and the whole is the same.
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, stream=True
+            )
+        )
+        parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        assert [t for p in parts for t in p.tokens] == choice.logprobs.tokens
+        assert [v for p in parts for v in p.token_logprobs] == choice.logprobs.token_logprobs
+        assert [o for p in parts for o in p.text_offset] == choice.logprobs.text_offset
+        assert [t for p in parts for t in p.top_logprobs] == choice.logprobs.top_logprobs
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+
+        # A stop string cuts the text, and the listed tokens end with it, however many a step accepted.
+        stopped = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[" "], logprobs=1
+        )
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].logprobs.tokens == [stopped.choices[0].text]
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[" "], logprobs=1, stream=True
+            )
+        )
+        assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == (
+            stopped.choices[0].logprobs.tokens
+        )
+        # No logprobs asked: none sent.
+        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0].logprobs is None
+
+
+def test_speculation_does_not_change_logprobs() -> None:
+    answers = []
+    for speculative in (False, True):
+        with serve(make_engine(speculative=speculative)) as s:
+            r = s.client().completions.create(
+                model=MODEL, prompt="t4 t9", max_tokens=24, temperature=0, logprobs=4, echo=True
+            )
+            answers.append(r.choices[0].logprobs)
+    plain, speculated = answers
+    assert speculated.tokens == plain.tokens
+    assert speculated.token_logprobs[1:] == pytest.approx(plain.token_logprobs[1:], abs=1e-5)
+
+
+def test_echo_scores_the_prompt() -> None:
+    engine = make_engine()
+    with serve(engine) as s, httpx.Client(timeout=10) as http:
+        client = s.client()
+        prompt = [5, 9, 2, 17, 30]
+        # Prompt scoring as lm-evaluation-harness asks it: echo + logprobs + max_tokens 0.
+        scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+        choice = scored.choices[0]
+        assert choice.text == "t5 t9 t2 t17 t30" and choice.finish_reason == "length"
+        assert scored.usage.prompt_tokens == 5 and scored.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert [token_id(t) for t in lp.tokens] == prompt
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no context
+        assert lp.text_offset == [0, 2, 4, 6, 9]
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            setattr(lp, field, getattr(lp, field)[1:])
+        check_legacy_logprobs(engine, lp, prompt[:1], 2, first_offset=2)
+        # The raw body: the nulls are JSON nulls.
+        raw = http.post(
+            f"{s.url}/v1/completions",
+            json=completion_body(prompt="t5 t9", max_tokens=0, echo=True, logprobs=0),
+        ).json()["choices"][0]
+        assert raw["text"] == "t5 t9" and raw["logprobs"]["token_logprobs"][0] is None
+        assert raw["logprobs"]["top_logprobs"] == [None, {"t9": raw["logprobs"]["token_logprobs"][1]}]
+
+        # Echo with generation: the prompt's tokens, then the completion's; text_offset runs on.
+        both = client.completions.create(
+            model=MODEL, prompt="t5 t9 t2", max_tokens=4, temperature=0, echo=True, logprobs=1
+        )
+        lp = both.choices[0].logprobs.model_copy()  # trimmed below, compared whole later
+        assert len(lp.tokens) == 7 and both.choices[0].text.startswith("t5 t9 t2")
+        assert [token_id(t) for t in lp.tokens[:3]] == [5, 9, 2] and lp.token_logprobs[0] is None
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            setattr(lp, field, getattr(lp, field)[1:])
+        check_legacy_logprobs(engine, lp, [5], 1, first_offset=2)
+        # Echo without logprobs: the prompt's text in front only.
+        plain = client.completions.create(model=MODEL, prompt="t5 t9", max_tokens=3, temperature=0, echo=True)
+        assert plain.choices[0].text.startswith("t5 t9") and plain.choices[0].logprobs is None
+        # Streamed: the echoed prompt comes first, with its log-probabilities.
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt="t5 t9 t2",
+                max_tokens=4,
+                temperature=0,
+                echo=True,
+                logprobs=1,
+                stream=True,
+            )
+        )
+        assert chunks[0].choices[0].text == "t5 t9 t2"
+        assert chunks[0].choices[0].logprobs.tokens == ["t5", "t9", "t2"]
+        assert "".join(c.choices[0].text for c in chunks) == both.choices[0].text
+        assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == (
+            both.choices[0].logprobs.tokens
+        )
+
+
+def test_chat_logprobs_streamed_and_not() -> None:
+    engine = make_engine()
+    with serve(engine) as s:
+        client = s.client()
+        messages = [{"role": "user", "content": "t5 t6"}]
+        context = [4, 5, 6, 0]  # the toy chat template: "t4 t5 t6 t0"
+        whole = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+        )
+        content = whole.choices[0].logprobs.content
+        assert " ".join(e.token for e in content) == whole.choices[0].message.content
+        check_chat_logprobs(engine, content, context, 3)
+        sampled = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=1.0,
+            seed=2,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        check_chat_logprobs(engine, sampled.choices[0].logprobs.content, context, 2)
+        # logprobs without top_logprobs: each token's own, no alternatives.
+        bare = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True
+        )
+        assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[], [], []]
+        assert [e.logprob for e in bare.choices[0].logprobs.content] == [e.logprob for e in content[:3]]
+        off = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=False)
+        assert off.choices[0].logprobs is None
+
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+        )
+        streamed = []
+        for chunk in stream:
+            lp = chunk.choices[0].logprobs
+            if lp is not None:  # the tokens of this delta, and only those
+                assert " ".join(e.token for e in lp.content) == chunk.choices[0].delta.content.strip()
+                streamed += lp.content
+        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+
+def test_n_choices_are_independent_samples_with_their_own_logprobs_and_usage() -> None:
+    engine = make_engine()
+    with serve(engine) as s:
+        client = s.client()
+        prompt = [3, 1]
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=11, n=4, logprobs=1
+        )
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        assert len({c.text for c in r.choices}) > 1  # independent samples, not copies
+        for c in r.choices:  # each choice's logprobs follow its own text
+            assert " ".join(c.logprobs.tokens) == c.text and c.finish_reason == "length"
+            check_legacy_logprobs(engine, c.logprobs, prompt, 1)
+        assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 48 and r.usage.total_tokens == 50
+        again = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=11, n=4, logprobs=1
+        )
+        assert [c.text for c in again.choices] == [c.text for c in r.choices]  # a seed repeats all n
+        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, n=2, best_of=2).choices
+
+        # Streamed: chunks name their choice, each choice ends with its own finish chunk, usage sums all.
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=1.0,
+                seed=11,
+                n=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        texts = {
+            i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+            for i in range(4)
+        }
+        assert [texts[i] for i in range(4)] == [c.text for c in r.choices]
+        finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert sorted(finishes) == [0, 1, 2, 3]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48
+
+        # Chat: n choices, each with its own finish reason (here one stops on a stop token).
+        messages = [{"role": "user", "content": "t7"}]
+        chat = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=4, n=3, logprobs=True
+        )
+        assert [c.index for c in chat.choices] == [0, 1, 2]
+        assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+        # A stop token ends the choices that draw it and no other (the same seed draws the same samples).
+        stop = token_id(chat.choices[0].logprobs.content[0].token)
+        drawn = [[token_id(e.token) for e in c.logprobs.content] for c in chat.choices]
+        mixed = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=1.0,
+            seed=4,
+            n=3,
+            extra_body={"stop_token_ids": [stop]},
+        )
+        assert [c.finish_reason for c in mixed.choices] == ["stop" if stop in d else "length" for d in drawn]
+        kept = [d.index(stop) + 1 if stop in d else len(d) for d in drawn]
+        assert mixed.usage.completion_tokens == sum(kept)
+        role_chunks = 0
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=1.0, seed=4, n=3, stream=True
+        ):
+            role_chunks += chunk.choices[0].delta.role == "assistant"
+        assert role_chunks == 3
+        s.wait_for(lambda: s.worker.in_flight == 0)
+        m = s.metrics()
+        # One finished request per HTTP request, however many choices it had.
+        assert sum(v for (name, _), v in m.items() if name == "specverify_requests_finished_total") == 7
+
+
+def test_n_choices_abort_together_when_the_client_leaves() -> None:
+    with serve(make_engine(delay=0.01), max_queue=4) as s:
+        with httpx.Client(timeout=10) as http:
+            body = completion_body(max_tokens=500, n=3, temperature=1.0, stream=True)
+            with http.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert s.worker.in_flight == 3  # counted in samples, as the engine's running slots are
+        s.wait_for(lambda: s.worker.in_flight == 0)
+        s.wait_for(lambda: s.metrics()[("specverify_running_requests", ())] == 0)
+        assert s.metrics()[("specverify_requests_finished_total", (("finish_reason", "abort"),))] == 1
+        ok = httpx.post(f"{s.url}/v1/completions", json=completion_body(n=2), timeout=5)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 10
+
+
+def test_processed_logprobs_send_minus_infinity_as_minus_9999() -> None:
+    with serve(make_engine(logprobs_mode="processed_logprobs")) as s, httpx.Client(timeout=10) as http:
+        r = http.post(
+            f"{s.url}/v1/completions",
+            json=completion_body(max_tokens=6, temperature=1.0, top_p=0.05, seed=1, logprobs=5),
+        )
+        assert r.status_code == 200, r.text
+        lp = json.loads(r.text)["choices"][0]["logprobs"]  # plain JSON: no Infinity in it
+        assert lp["token_logprobs"] == [0.0] * 6  # top_p 0.05 keeps the top token alone
+        assert all(sorted(top.values())[0] == -9999.0 for top in lp["top_logprobs"])
+        chat = s.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=3,
+            temperature=1.0,
+            top_p=0.05,
+            logprobs=True,
+            top_logprobs=4,
+        )
+        assert [e.logprob for e in chat.choices[0].logprobs.content[0].top_logprobs][1:] == [-9999.0] * 3
 
 
 # ---- load --------------------------------------------------------------------------------------------
@@ -403,7 +747,13 @@ BAD_REQUESTS = [
     ("top_p zero", "/v1/completions", completion_body(top_p=0), 400, "top_p", None),
     ("bad top_k", "/v1/completions", completion_body(top_k=-5), 400, "top_k", None),
     ("max_tokens zero", "/v1/completions", completion_body(max_tokens=0), 400, "max_tokens", None),
-    ("n > 1", "/v1/completions", completion_body(n=3), 400, "n", None),
+    ("n over the limit", "/v1/completions", completion_body(n=17), 400, "n", None),
+    ("n zero", "/v1/completions", completion_body(n=0), 400, "n", None),
+    ("best_of other than n", "/v1/completions", completion_body(n=2, best_of=3), 400, "best_of", None),
+    ("logprobs over 20", "/v1/completions", completion_body(logprobs=21), 400, "logprobs", None),
+    ("negative logprobs", "/v1/completions", completion_body(logprobs=-1), 400, "logprobs", None),
+    ("logprobs not an integer", "/v1/completions", completion_body(logprobs=True), 400, "logprobs", None),
+    ("logprobs a string", "/v1/completions", completion_body(logprobs="5"), 400, "logprobs", None),
     ("empty prompt", "/v1/completions", completion_body(prompt=""), 400, "prompt", None),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt", None),
     ("token out of vocabulary", "/v1/completions", completion_body(prompt=[1, 999]), 400, "prompt", None),
@@ -442,12 +792,31 @@ BAD_REQUESTS = [
         "messages",
         None,
     ),
+    ("chat n over the limit", "/v1/chat/completions", chat_body(n=17), 400, "n", None),
+    ("chat echo", "/v1/chat/completions", chat_body(echo=True), 400, "echo", None),
+    ("chat max_tokens zero", "/v1/chat/completions", chat_body(max_tokens=0), 400, "max_tokens", None),
     (
-        "chat n > 1",
+        "top_logprobs over 20",
         "/v1/chat/completions",
-        {"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "x"}]},
+        chat_body(logprobs=True, top_logprobs=21),
         400,
-        "n",
+        "top_logprobs",
+        None,
+    ),
+    (
+        "negative top_logprobs",
+        "/v1/chat/completions",
+        chat_body(logprobs=True, top_logprobs=-1),
+        400,
+        "top_logprobs",
+        None,
+    ),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        chat_body(top_logprobs=2),
+        400,
+        "top_logprobs",
         None,
     ),
 ]
@@ -495,8 +864,9 @@ def test_engine_failure_ends_the_batch_with_500_and_the_server_recovers() -> Non
         assert s.worker.failed_steps == 1 and s.worker.in_flight == 0
 
 
-def test_serve_subcommand_is_registered() -> None:
+def test_serve_subcommand_is_registered(monkeypatch) -> None:
     from specverify.cli import build_parser
+    from specverify.server import cli as serve_cli
     from specverify.server.cli import run
 
     args = build_parser().parse_args(
@@ -513,9 +883,26 @@ def test_serve_subcommand_is_registered() -> None:
             "e.json",
             "--shutdown-timeout",
             "2",
+            "--logprobs-mode",
+            "processed_logprobs",
         ]
     )
     assert args.func is run and args.port == 9 and args.max_queue == 3 and args.estimator_state == "e.json"
+    assert build_parser().parse_args(["serve", "--model", "m.gguf"]).logprobs_mode == "raw_logprobs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--logprobs-mode", "softmax"])
+    # The mode reaches the engine's config through LLM(...): stop where the models would load.
+    seen = {}
+
+    def fake_llm_from_args(args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit("stop before loading")
+
+    monkeypatch.setattr(serve_cli, "llm_from_args", fake_llm_from_args)
+    args.estimator_state = None
+    with pytest.raises(SystemExit, match="stop before loading"):
+        run(args)
+    assert seen["logprobs_mode"] == "processed_logprobs"
     args.max_queue = -1
     with pytest.raises(SystemExit, match="max-queue"):
         run(args)

@@ -4,6 +4,12 @@ Handlers validate everything they can before a request reaches the engine (JSON,
 parameters, prompt length), so bad requests get a 4xx in OpenAI's error shape at once and never disturb
 the running batch. Accepted requests go to the single engine thread (`worker.py`); each handler reads its
 request's outputs from its own asyncio queue and answers in one piece or as server-sent events.
+
+`n` choices are the engine's n samples of the prompt. Log-probabilities come from the engine
+(`logprobs.py`: the target's, exact under speculation) and are shaped here: completions' legacy
+`tokens` / `token_logprobs` / `top_logprobs` / `text_offset`, with `echo` the prompt's tokens first;
+chat's `logprobs.content`. -inf (processed mode, tokens cut by top-p) is sent as -9999.0, as vLLM does,
+since JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -14,18 +20,20 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specverify.engine.sequence import RequestOutput
+from specverify.logprobs import Logprob, PositionLogprobs
 from specverify.sampling_params import SamplingParams
 from specverify.server.metrics import EngineCollector, ServerMetrics
 from specverify.server.worker import EngineWorker, Failure, QueueFull, ShuttingDown, Submission
@@ -37,6 +45,8 @@ _DEFAULT_COMPLETION_TOKENS = 16
 # How often a non-streaming handler checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.5
 _KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+# JSON has no -inf: a log-probability of a token that cannot be drawn is sent as this (vLLM's value).
+_LOGPROB_FLOOR = -9999.0
 
 
 # ---- errors -----------------------------------------------------------------------------------------
@@ -98,7 +108,7 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: StrictInt | None = None  # strict: `true` (the chat field's type) is a mistake, not 1
     best_of: int | None = None
     suffix: str | None = None
 
@@ -115,7 +125,8 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
+    echo: Any = None  # not a chat field: declared only so that it can be refused
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -259,21 +270,32 @@ def create_app(
         arrival = time.perf_counter()
         req: CompletionRequest = _parse(CompletionRequest, await _read_json(request))
         _check_model(ctx, req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if req.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of not in (None, 1):
+        if req.best_of is not None and req.best_of != (req.n or 1):
             raise APIError(
-                400, "best_of must be 1 (only one completion per request is supported)", param="best_of"
+                400,
+                "best_of must equal n (extra samples are not ranked, each sample is a choice)",
+                param="best_of",
             )
-        prompt_ids = _completion_prompt_ids(ctx, req.prompt)
+        prompt = _single_prompt(req.prompt)
+        prompt_ids = _completion_prompt_ids(ctx, prompt)
+        # echo + logprobs scores the prompt too (lm-evaluation-harness asks it with max_tokens 0).
+        scored = {"logprobs": req.logprobs, "prompt_logprobs": req.logprobs if req.echo else None}
         params = _sampling_params(
-            ctx, req, len(prompt_ids), req.max_tokens, _DEFAULT_COMPLETION_TOKENS, "prompt"
+            ctx,
+            req,
+            len(prompt_ids),
+            req.max_tokens,
+            _DEFAULT_COMPLETION_TOKENS,
+            "prompt",
+            prefill_only=bool(req.echo),
+            **scored,
         )
-        job = _Job(ctx, "cmpl", prompt_ids, params, arrival, chat=False)
+        echo = None
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids)
+        job = _Job(ctx, "cmpl", prompt_ids, params, arrival, chat=False, echo=echo, top_logprobs=req.logprobs)
         return await job.respond(request, stream=bool(req.stream), include_usage=_include_usage(req))
 
     @app.post("/v1/chat/completions")
@@ -281,8 +303,12 @@ def create_app(
         arrival = time.perf_counter()
         req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request))
         _check_model(ctx, req.model)
-        if req.logprobs or req.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.echo not in (None, False):
+            raise APIError(
+                400, "echo is not a chat completions parameter (use /v1/completions)", param="echo"
+            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -290,10 +316,19 @@ def create_app(
         prompt_ids = _chat_prompt_ids(ctx, req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(
-            ctx, req, len(prompt_ids), max_tokens, None, "messages", max_tokens_param=param
+            ctx,
+            req,
+            len(prompt_ids),
+            max_tokens,
+            None,
+            "messages",
+            max_tokens_param=param,
+            aliases={"logprobs": "top_logprobs"},
+            logprobs=top_logprobs,
         )
-        job = _Job(ctx, "chatcmpl", prompt_ids, params, arrival, chat=True)
+        job = _Job(ctx, "chatcmpl", prompt_ids, params, arrival, chat=True, top_logprobs=top_logprobs)
         return await job.respond(request, stream=bool(req.stream), include_usage=_include_usage(req))
 
     return app
@@ -354,13 +389,18 @@ def _include_usage(req: _GenerationRequest) -> bool:
 # ---- prompts ----------------------------------------------------------------------------------------
 
 
-def _completion_prompt_ids(ctx: ServerContext, prompt: Any) -> list[int]:
+def _single_prompt(prompt: Any) -> str | list[int]:
+    """The one prompt of a request: a string or token ids (a batch of one is unwrapped)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise APIError(
                 400, "only one prompt per request is supported; send several requests", param="prompt"
             )
         prompt = prompt[0]
+    return prompt
+
+
+def _completion_prompt_ids(ctx: ServerContext, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         ids = list(ctx.tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
     else:
@@ -424,9 +464,17 @@ def _sampling_params(
     default_max_tokens: int | None,
     prompt_param: str,
     max_tokens_param: str = "max_tokens",
+    prefill_only: bool = False,
+    aliases: dict[str, str] | None = None,
+    **extra: Any,
 ) -> SamplingParams:
-    if req.n not in (None, 1):
-        raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
+    """SamplingParams from the request's fields plus `extra` (more SamplingParams fields). `prefill_only`
+    allows max_tokens 0 (prompt scoring); `aliases` name the request field a SamplingParams error is about."""
+    lowest = 0 if prefill_only else 1
+    if max_tokens is not None and max_tokens < lowest:
+        raise APIError(
+            400, f"{max_tokens_param} must be at least {lowest}, got {max_tokens}", param=max_tokens_param
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value not in (None, 0, 0.0):
@@ -468,6 +516,8 @@ def _sampling_params(
         "ignore_eos": req.ignore_eos,
         "stop_token_ids": stop_token_ids,
         "logit_bias": logit_bias,
+        "n": 1 if req.n is None else req.n,
+        **extra,
     }
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(req, name)
@@ -477,12 +527,11 @@ def _sampling_params(
         return SamplingParams(**kwargs)
     except ValueError as e:
         message = str(e)
-        param = message.split(" ", 1)[0]
-        if param == "max_tokens":
-            param = max_tokens_param
-        raise APIError(
-            400, message, param=param if param in kwargs or param == max_tokens_param else None
-        ) from None
+        field = message.split(" ", 1)[0]  # SamplingParams' messages start with the field's name
+        param = {"max_tokens": max_tokens_param, **(aliases or {})}.get(field, field)
+        if field != param:
+            message = f"{param}{message[len(field) :]}"
+        raise APIError(400, message, param=param if field in kwargs else None) from None
 
 
 # ---- one generation request -------------------------------------------------------------------------
@@ -515,7 +564,28 @@ class _TextStream:
         return piece
 
 
+# One scored token: its id and its entries (None: no log-probability, the prompt's first token).
+_Scored = tuple[int, PositionLogprobs | None]
+
+
+@dataclass
+class _Choice:
+    """One of the request's n choices (one engine sample): its final output and what has been streamed."""
+
+    text: _TextStream
+    final: RequestOutput | None = None
+    echoed: bool = False  # the prompt has been streamed in front of it
+    sent_tokens: int = 0  # output tokens whose log-probabilities have been streamed
+    offset: int = 0  # text_offset of the next token (completions' logprobs)
+
+
 class _Job:
+    """One request from submission to answer: its n choices, in one piece or as server-sent events.
+
+    `echo`: the prompt's text, put in front of each choice's (completions). `top_logprobs`: how many
+    alternatives per token the answer lists (None: no logprobs in the answer).
+    """
+
     def __init__(
         self,
         ctx: ServerContext,
@@ -524,6 +594,8 @@ class _Job:
         params: SamplingParams,
         arrival: float,
         chat: bool,
+        echo: str | None = None,
+        top_logprobs: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -531,6 +603,9 @@ class _Job:
         self.params = params
         self.arrival = arrival
         self.chat = chat
+        self.echo = echo
+        self.top_logprobs = top_logprobs
+        self.choices = [_Choice(_TextStream(params.stop)) for _ in range(params.n)]
         self.created = int(time.time())
         self.first_token = False
         self.done = False
@@ -561,13 +636,13 @@ class _Job:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            final = await self._wait_final(request)
+            failure = await self._wait_final(request)
         finally:
             if not self.done:  # cancelled, or the client left: free the slot
                 ctx.worker.abort(self.id)
-        if isinstance(final, Failure):
-            raise APIError(final.status, final.message, type=final.type)
-        return JSONResponse(self._full_response(final))
+        if failure is not None:
+            raise APIError(failure.status, failure.message, type=failure.type)
+        return JSONResponse(self._full_response())
 
     def _seen(self, item: RequestOutput | Failure) -> None:
         metrics = self.ctx.metrics
@@ -578,10 +653,13 @@ class _Job:
             self.first_token = True
             metrics.time_to_first_token.observe(time.perf_counter() - self.arrival)
         if item.finished:
-            self.done = True
-            metrics.request_latency.observe(time.perf_counter() - self.arrival)
+            self.choices[item.index].final = item
+            if all(c.final is not None for c in self.choices):
+                self.done = True
+                metrics.request_latency.observe(time.perf_counter() - self.arrival)
 
-    async def _wait_final(self, request: Request) -> RequestOutput | Failure:
+    async def _wait_final(self, request: Request) -> Failure | None:
+        """Wait until every choice has finished (None) or the request failed (the failure)."""
         next_check = time.monotonic() + _DISCONNECT_POLL_S
         while True:
             try:
@@ -591,97 +669,192 @@ class _Job:
             else:
                 self._seen(item)
                 if self.done:
-                    return item
+                    return item if isinstance(item, Failure) else None
             # Checked on a clock, not only on quiet spells: outputs may keep arriving while the client is gone.
             if time.monotonic() >= next_check:
                 if await request.is_disconnected():
                     raise _ClientGone()
                 next_check = time.monotonic() + _DISCONNECT_POLL_S
 
-    def _usage(self, out: RequestOutput) -> dict[str, int]:
-        n_out = len(out.output_token_ids)
+    def _usage(self) -> dict[str, int]:
+        # The prompt is counted once (it is prefilled once), every choice's tokens count.
+        n_out = sum(len(c.final.output_token_ids) for c in self.choices)
         return {
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": n_out,
             "total_tokens": len(self.prompt_ids) + n_out,
         }
 
-    def _full_response(self, out: RequestOutput) -> dict[str, Any]:
-        reason = out.finish_reason or "stop"
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
-            kind = "text_completion"
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": kind,
             "created": self.created,
             "model": self.ctx.model_name,
-            "choices": [choice],
-            "usage": self._usage(out),
+            "choices": choices,
         }
 
-    def _chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+    # ---- whole answers ----
+
+    def _full_response(self) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        body = self._envelope(kind, [self._full_choice(c) for c in self.choices])
+        body["usage"] = self._usage()
+        return body
+
+    def _full_choice(self, choice: _Choice) -> dict[str, Any]:
+        out = choice.final
+        reason = out.finish_reason or "stop"
+        logprobs = None
+        if self.top_logprobs is not None:
+            tokens = self._output_tokens(out, 0, self._kept_tokens(out))
+            if self.echo is not None:
+                tokens = self._prompt_tokens(out) + tokens
+            logprobs = self._logprobs(choice, tokens)
+        if self.chat:
+            message = {"role": "assistant", "content": out.text}
+            return {"index": out.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        text = (self.echo or "") + out.text
+        return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    # ---- streams ----
+
+    def _chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+        role: bool = False,
+    ) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            kind = "text_completion"
-        return _sse(
-            {
-                "id": self.id,
-                "object": kind,
-                "created": self.created,
-                "model": self.ctx.model_name,
-                "choices": [choice],
-            }
-        )
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return _sse(self._envelope("chat.completion.chunk", [choice]))
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return _sse(self._envelope("text_completion", [choice]))
+
+    def _choice_chunks(self, out: RequestOutput) -> Iterator[str]:
+        """The chunks one sample's output adds: the echoed prompt first, then its new text with the
+        log-probabilities of the tokens behind it and, at its end, its finish chunk."""
+        choice = self.choices[out.index]
+        if self.echo is not None and not choice.echoed:
+            choice.echoed = True
+            logprobs = None if self.top_logprobs is None else self._logprobs(choice, self._prompt_tokens(out))
+            yield self._chunk(out.index, self.echo, None, logprobs)
+        piece = choice.text.delta(out.text, out.finished)
+        # New tokens go out with the next piece of text (or at the end): a token that is only part of a
+        # character waits for it. A token whose text the stream still holds back (it may begin a stop
+        # string) can go one chunk ahead of its text.
+        if piece or out.finished:
+            upto = self._kept_tokens(out) if out.finished else len(out.output_token_ids)
+            tokens = self._output_tokens(out, choice.sent_tokens, upto)
+            choice.sent_tokens = max(choice.sent_tokens, upto)
+            logprobs = self._logprobs(choice, tokens) if tokens else None
+            if piece or logprobs:
+                yield self._chunk(out.index, piece, None, logprobs)
+        if out.finished:
+            yield self._chunk(out.index, None, out.finish_reason or "stop")
 
     async def _events(self, include_usage: bool) -> AsyncIterator[str]:
-        text = _TextStream(self.params.stop)
         try:
             if self.chat:
-                yield self._chunk(None, None, role=True)
-            while True:
+                for index in range(len(self.choices)):
+                    yield self._chunk(index, None, None, role=True)
+            while not self.done:
                 item = await self.outputs.get()
                 self._seen(item)
                 if isinstance(item, Failure):
                     yield _sse(APIError(item.status, item.message, type=item.type).body())
                     break
-                piece = text.delta(item.text, item.finished)
-                if piece:
-                    yield self._chunk(piece, None)
-                if item.finished:
-                    yield self._chunk(None, item.finish_reason or "stop")
-                    if include_usage:
-                        kind = "chat.completion.chunk" if self.chat else "text_completion"
-                        yield _sse(
-                            {
-                                "id": self.id,
-                                "object": kind,
-                                "created": self.created,
-                                "model": self.ctx.model_name,
-                                "choices": [],
-                                "usage": self._usage(item),
-                            }
-                        )
-                    break
+                for chunk in self._choice_chunks(item):
+                    yield chunk
+                if self.done and include_usage:
+                    kind = "chat.completion.chunk" if self.chat else "text_completion"
+                    yield _sse(self._envelope(kind, []) | {"usage": self._usage()})
             yield "data: [DONE]\n\n"
         finally:
             # Reached on normal ends and when Starlette cancels the stream because the client disconnected.
             if not self.done:
                 self.ctx.worker.abort(self.id)
+
+    # ---- log-probabilities ----
+
+    def _output_tokens(self, out: RequestOutput, start: int, end: int) -> list[_Scored]:
+        if self.top_logprobs is None:
+            return []
+        return list(zip(out.output_token_ids[start:end], out.logprobs[start:end], strict=True))
+
+    @staticmethod
+    def _prompt_tokens(out: RequestOutput) -> list[_Scored]:
+        return list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
+
+    def _kept_tokens(self, out: RequestOutput) -> int:
+        """How many output tokens the choice's text shows. A stop string cuts the text; tokens past the
+        cut (a speculative step may accept several at once) must not be listed, or the answer would
+        depend on how many drafts were accepted."""
+        ids = out.output_token_ids
+        if self.top_logprobs is None or not self.params.stop or out.finish_reason != "stop":
+            return len(ids)
+
+        def shown(k: int) -> int:
+            return len(self.ctx.tokenizer.decode(ids[:k], skip_special_tokens=True))
+
+        if shown(len(ids)) <= len(out.text):  # ended by a stop token or EOS, not cut
+            return len(ids)
+        kept = len(ids)
+        while kept > 0 and shown(kept - 1) >= len(out.text):
+            kept -= 1
+        return kept
+
+    def _logprobs(self, choice: _Choice, tokens: list[_Scored]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat_logprob(token, entries) for token, entries in tokens]}
+        return self._legacy_logprobs(choice, tokens)
+
+    def _legacy_logprobs(self, choice: _Choice, tokens: list[_Scored]) -> dict[str, Any]:
+        """Completions' shape. top_logprobs as vLLM gives them: the chosen token and the `logprobs` best
+        (so `logprobs: 0` lists the chosen token alone). Offsets run on over the choice's tokens."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entries in tokens:
+            text = self._token_text(token, entries[token] if entries else None)
+            out["tokens"].append(text)
+            out["text_offset"].append(choice.offset)
+            choice.offset += len(text)
+            if entries is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(_json_logprob(entries[token].logprob))
+            out["top_logprobs"].append(
+                {self._token_text(t, lp): _json_logprob(lp.logprob) for t, lp in entries.items()}
+            )
+        return out
+
+    def _chat_logprob(self, token: int, entries: PositionLogprobs) -> dict[str, Any]:
+        """Chat's shape: the token and the `top_logprobs` most likely tokens by rank (the chosen token is
+        among them only when it ranks that high)."""
+        n = self.top_logprobs
+        top = sorted((e for e in entries.items() if e[1].rank <= n), key=lambda e: e[1].rank)[:n]
+        entry = self._chat_entry(token, entries[token])
+        entry["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in top]
+        return entry
+
+    def _chat_entry(self, token: int, lp: Logprob) -> dict[str, Any]:
+        text = self._token_text(token, lp)
+        return {"token": text, "logprob": _json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
+
+    def _token_text(self, token: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.ctx.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _json_logprob(value: float) -> float:
+    # -inf (and NaN) have no JSON form; vLLM sends -9999.0.
+    return value if value >= _LOGPROB_FLOOR else _LOGPROB_FLOOR
 
 
 class _ClientGone(Exception):

@@ -39,6 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds in-flight requests may run after a shutdown signal before they end with an error",
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none")
+    p.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=["raw_logprobs", "processed_logprobs"],
+        help="which distribution logprobs report: the target's raw log-softmax (default, as vLLM's) or the "
+        "processed one each token was sampled from (after logit bias, temperature, top-k, top-p)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -59,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     from specverify.server.app import SpecverifyServer, create_app
 
-    llm = llm_from_args(args, seed=args.seed)
+    llm = llm_from_args(args, seed=args.seed, logprobs_mode=args.logprobs_mode)
     app = create_app(
         llm.engine,
         llm.tokenizer,

@@ -5,9 +5,13 @@ requests over through a thread-safe inbox and receive the engine's outputs on th
 filled from this thread with `loop.call_soon_threadsafe`. New requests join the running batch between
 steps (the engine's scheduler does the continuous batching).
 
-Admission control lives here too: at most `max_num_seqs + max_queue` requests are in flight (running
-plus waiting); beyond that `submit` raises `QueueFull` at once, so the HTTP side can answer 429 instead
-of letting clients hang.
+A request with `n` > 1 runs as n samples in the engine (each its own output, `group_id` naming the
+request); the worker sends every sample's outputs to the one submission and ends it once all n have
+finished.
+
+Admission control lives here too: in-flight work is counted in samples (running plus waiting, as the
+engine counts its running slots); once `max_num_seqs + max_queue` are taken `submit` raises `QueueFull`
+at once, so the HTTP side can answer 429 instead of letting clients hang.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class Submission:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
-    stream: bool = True  # False: only the first output (time to first token) and the final one are sent
+    stream: bool = True  # False: only each sample's first output (time to first token) and final one are sent
+    unfinished: int = 0  # samples still generating, set when the engine takes the request
 
 
 @dataclass
@@ -216,7 +221,8 @@ class EngineWorker:
                 raise QueueFull(
                     f"the server is at capacity ({self.max_num_seqs} running and {self.max_queue} queued requests)"
                 )
-            self._in_flight += 1
+            # Counted as its n samples; admitted while any room is left, so a large n is never refused outright.
+            self._in_flight += submission.params.n
             # Inside the lock: a drain that starts now cannot strand this request in the inbox.
             self._inbox.put(("add", submission))
 
@@ -282,6 +288,7 @@ class EngineWorker:
         except ValueError as e:  # PromptError and sampling checks the HTTP side could not foresee
             self._end(submission, Failure(str(e), 400, "invalid_request_error"), "error")
             return
+        submission.unfinished = submission.params.n
         self._submissions[submission.request_id] = submission
 
     def _step(self) -> None:
@@ -297,16 +304,23 @@ class EngineWorker:
         if self.metrics is not None:
             self.metrics.observe_step(self.engine.stats)
         for out in outputs:
-            submission = self._submissions.get(out.request_id)
-            if submission is None:
-                continue
-            if out.finished:
+            self._route(out)
+
+    def _route(self, out: RequestOutput) -> None:
+        """Send one sample's output to its submission; the submission ends with its last sample."""
+        submission = self._submissions.get(out.group_id or out.request_id)
+        if submission is None:
+            return
+        if out.finished:
+            submission.unfinished -= 1
+            if submission.unfinished == 0:
                 self._end(submission, out, out.finish_reason or "stop")
-            elif submission.stream or len(out.output_token_ids) == len(out.new_token_ids):
-                # Non-streamed requests get only their first output (time to first token) and the last.
-                if not self._deliver(submission, out):  # the client's event loop is gone: nobody will read it
-                    self.engine.abort_request(out.request_id)
-                    self._end(submission, None, "abort")
+                return
+        elif not submission.stream and len(out.output_token_ids) != len(out.new_token_ids):
+            return  # non-streamed requests get only each sample's first output (time to first token) and last
+        if not self._deliver(submission, out):  # the client's event loop is gone: nobody will read it
+            self.engine.abort_request(submission.request_id)  # all its samples
+            self._end(submission, None, "abort")
 
     def _fail_all(self, failure: Failure) -> None:
         for request_id, submission in list(self._submissions.items()):
@@ -321,7 +335,7 @@ class EngineWorker:
         already sees the server's capacity freed."""
         self._submissions.pop(submission.request_id, None)
         with self._lock:
-            self._in_flight -= 1
+            self._in_flight -= submission.params.n
         if self.metrics is not None:
             self.metrics.request_finished(reason)
         if item is not None:
