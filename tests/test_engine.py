@@ -157,6 +157,28 @@ def test_stop_string_truncates_text() -> None:
     assert out.finish_reason == "stop" and out.text == ""
 
 
+def test_stop_string_ends_output_where_plain_decoding_would() -> None:
+    """Drafts accepted after the token that completes a stop string are dropped, so tokens, usage and
+    log-probabilities are those of plain decoding."""
+    engine, _, _ = make_engine(k=None)
+    rid = engine.add_request([0, 1], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    free = run_all(engine)[0][rid].output_token_ids
+    stop = f"t{free[6]} t{free[7]}"  # plain decoding stops at the first token completing it
+    results = []
+    for k in (None, 4):
+        engine, _, _ = make_engine(k=k)
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], logprobs=0)
+        rid = engine.add_request([0, 1], params)
+        out = run_all(engine)[0][rid]
+        assert out.finish_reason == "stop" and stop not in out.text
+        assert len(out.logprobs) == len(out.output_token_ids) == engine.stats.output_tokens
+        results.append((out.output_token_ids, out.text))
+        if k:
+            assert out.metrics.accepted > 0
+    assert results[0] == results[1]
+    assert len(results[0][0]) <= 8
+
+
 def test_speculation_takes_fewer_steps_than_plain_decoding() -> None:
     spec_engine, _, _ = make_engine(k=4)
     plain_engine, _, _ = make_engine(k=None)

@@ -344,12 +344,15 @@ def test_completion_logprobs_are_the_targets_greedy_sampled_and_streamed() -> No
         assert [t for p in parts for t in p.top_logprobs] == choice.logprobs.top_logprobs
         assert "".join(c.choices[0].text for c in chunks) == choice.text
 
-        # A stop string cuts the text, and the listed tokens end with it, however many a step accepted.
+        # A stop string cuts the text; the tokens end with the one that completed it (the toy tokenizer
+        # joins tokens with spaces: the second token completes " "), as plain decoding would stop,
+        # however many drafts a step accepted; usage counts the same tokens.
         stopped = client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[" "], logprobs=1
         )
         assert stopped.choices[0].finish_reason == "stop"
-        assert stopped.choices[0].logprobs.tokens == [stopped.choices[0].text]
+        assert stopped.choices[0].logprobs.tokens == [stopped.choices[0].text] * 2
+        assert stopped.usage.completion_tokens == 2
         chunks = list(
             client.completions.create(
                 model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[" "], logprobs=1, stream=True

@@ -56,6 +56,12 @@ _PLAIN_CHECK_MARGIN = 1.5
 _SCORING_CHUNK = 256
 
 
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string begins in `text` (None: none does)."""
+    found = [at for at in (text.find(stop) for stop in stops) if at >= 0]
+    return min(found) if found else None
+
+
 def _add_fields(into, other) -> None:
     """Add a dataclass's numeric fields into another of its kind."""
     for f in fields(into):
@@ -864,9 +870,11 @@ class LLMEngine:
                 break
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
-        self.stats.output_tokens += len(appended)
         if request.params.stop or request.finished or self.incremental_text:
-            self._update_text(request)
+            dropped = self._update_text(request, len(appended))
+            if dropped:
+                del appended[len(appended) - dropped :]
+        self.stats.output_tokens += len(appended)
         if request.finished:
             self._release(request)
         return RequestOutput(
@@ -884,15 +892,28 @@ class LLMEngine:
             prompt_logprobs=request.prompt_logprobs,
         )
 
-    def _update_text(self, request: Request) -> None:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        for stop in request.params.stop:
-            at = text.find(stop)
-            if at >= 0:
-                text = text[:at]
-                if not request.finished:
-                    request.finished, request.finish_reason = True, "stop"
+    def _update_text(self, request: Request, appended: int) -> int:
+        """Decode the output; at a stop string, cut the text there and end the request. Returns how many
+        of the `appended` new tokens were dropped: plain decoding stops at the first token whose text
+        holds a stop string, so drafts accepted after it in the same step are not output either."""
+        ids, stops = request.output_token_ids, request.params.stop
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = _first_stop(text, stops)
+        dropped = 0
+        if cut is not None:
+            for length in range(len(ids) - appended + 1, len(ids)):
+                shorter = self.tokenizer.decode(ids[:length], skip_special_tokens=True)
+                if _first_stop(shorter, stops) is not None:
+                    dropped = len(ids) - length
+                    del ids[length:]
+                    if request.logprobs is not None:
+                        del request.logprobs[length:]
+                    text, cut = shorter, _first_stop(shorter, stops)
+                    break
+            text = text[:cut]
+            request.finished, request.finish_reason = True, "stop"
         request.text = text
+        return dropped
 
     def _release(self, request: Request) -> None:
         self.target.release(request.seq_id)

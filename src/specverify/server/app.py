@@ -707,7 +707,7 @@ class _Job:
         reason = out.finish_reason or "stop"
         logprobs = None
         if self.top_logprobs is not None:
-            tokens = self._output_tokens(out, 0, self._kept_tokens(out))
+            tokens = self._output_tokens(out, 0, len(out.output_token_ids))
             if self.echo is not None:
                 tokens = self._prompt_tokens(out) + tokens
             logprobs = self._logprobs(choice, tokens)
@@ -749,7 +749,7 @@ class _Job:
         # character waits for it. A token whose text the stream still holds back (it may begin a stop
         # string) can go one chunk ahead of its text.
         if piece or out.finished:
-            upto = self._kept_tokens(out) if out.finished else len(out.output_token_ids)
+            upto = len(out.output_token_ids)
             tokens = self._output_tokens(out, choice.sent_tokens, upto)
             choice.sent_tokens = max(choice.sent_tokens, upto)
             logprobs = self._logprobs(choice, tokens) if tokens else None
@@ -790,24 +790,6 @@ class _Job:
     @staticmethod
     def _prompt_tokens(out: RequestOutput) -> list[_Scored]:
         return list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
-
-    def _kept_tokens(self, out: RequestOutput) -> int:
-        """How many output tokens the choice's text shows. A stop string cuts the text; tokens past the
-        cut (a speculative step may accept several at once) must not be listed, or the answer would
-        depend on how many drafts were accepted."""
-        ids = out.output_token_ids
-        if self.top_logprobs is None or not self.params.stop or out.finish_reason != "stop":
-            return len(ids)
-
-        def shown(k: int) -> int:
-            return len(self.ctx.tokenizer.decode(ids[:k], skip_special_tokens=True))
-
-        if shown(len(ids)) <= len(out.text):  # ended by a stop token or EOS, not cut
-            return len(ids)
-        kept = len(ids)
-        while kept > 0 and shown(kept - 1) >= len(out.text):
-            kept -= 1
-        return kept
 
     def _logprobs(self, choice: _Choice, tokens: list[_Scored]) -> dict[str, Any]:
         if self.chat:
