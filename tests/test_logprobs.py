@@ -12,7 +12,7 @@ from exact import PROMPT, VOCAB, chi_square_pvalue, exact_distribution, referenc
 
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
 from specverify.engine.llm_engine import LLMEngine
-from specverify.logprobs import log_distributions, position_logprobs
+from specverify.logprobs import token_logprobs
 from specverify.models.toy import ToyRunner, ToyTokenizer, table_logits
 from specverify.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -216,14 +216,18 @@ def test_bad_logprobs_mode_is_refused() -> None:
 
 
 def test_position_logprobs_rank_and_order() -> None:
-    logprobs = torch.log_softmax(torch.tensor([[0.0, 2.0, 1.0, 2.0]]), dim=1)
-    (entry,) = position_logprobs(logprobs, [2], [2], decode=str)
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0]])
+    want = torch.log_softmax(logits, dim=1)[0]
+    (entry,) = token_logprobs(logits, [0], [SamplingParams()], [2], [2], decode=str)
     assert list(entry) == [2, 1, 3]
     assert entry[2].rank == 3 and entry[2].decoded_token == "2"
-    (entry,) = position_logprobs(logprobs, [1], [3])
+    assert entry[2].logprob == pytest.approx(float(want[2])) and entry[1].logprob == pytest.approx(
+        float(want[1])
+    )
+    (entry,) = token_logprobs(logits, [0], [SamplingParams()], [1], [3])
     assert list(entry) == [1, 3, 2] and entry[1].rank == 1 and entry[1].decoded_token is None
     with pytest.raises(ValueError, match="logprobs_mode"):
-        log_distributions(logprobs, [SamplingParams()], "logits")
+        token_logprobs(logits, [0], [SamplingParams()], [1], [1], mode="logits")
 
 
 def test_llm_generate_gives_every_sample_and_its_logprobs() -> None:

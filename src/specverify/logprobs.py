@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from specverify.sampling_params import SamplingParams
-from specverify.sparse import SparseRows
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -39,57 +38,76 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-def log_distributions(
+def token_logprobs(
     logits: torch.Tensor,
+    rows: Sequence[int],
     params: Sequence[SamplingParams],
-    mode: str,
-    transformed: torch.Tensor | None = None,
-    sampled: SparseRows | None = None,
-) -> torch.Tensor:
-    """[N, V] float32 log-probabilities of the rows of `logits` (raw, [N, V]) in `mode`. Processed mode
-    needs the rows after logit bias / banned tokens (`transformed`, default: `logits`) and the sampling
-    distributions they were drawn from (`sampled`, one row each)."""
-    raw = torch.log_softmax(logits.float().cpu(), dim=1)
-    if mode == "raw_logprobs":
-        return raw
-    if mode != "processed_logprobs":
+    token_ids: Sequence[int],
+    top_n: Sequence[int],
+    mode: str = "raw_logprobs",
+    decode=None,
+) -> list[PositionLogprobs]:
+    """Entries for row `rows[i]` of the target's raw `logits` [M, V]: the chosen `token_ids[i]` and its
+    `top_n[i]` best alternatives, in `mode`, for a request with `params[i]`. `decode(id) -> str` fills
+    `decoded_token` (None: left empty). Rows go a few at a time: each block's passes over the vocabulary
+    stay in cache (three times faster than whole-batch passes at 151,936 tokens)."""
+    if mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
-    base = raw if transformed is None or transformed is logits else None
-    if base is None:
-        base = torch.log_softmax(transformed.float().cpu(), dim=1)
-    out = base.clone()
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        index = torch.tensor(rows)
-        kept = sampled.select(index)
-        dense = torch.full((len(rows), out.shape[1]), float("-inf"))
-        dense[kept.row_ids(), kept.tokens] = torch.log(kept.probs.double()).float()
-        out[index] = dense
+    out: list[PositionLogprobs] = []
+    for begin in range(0, len(rows), _BLOCK):
+        block = slice(begin, begin + _BLOCK)
+        x = logits[list(rows[block])].float().cpu()
+        scores, norms = _log_distributions(x, params[block], mode)
+        out += _entries(scores, norms, token_ids[block], top_n[block], decode)
     return out
 
 
-def position_logprobs(
-    logprobs: torch.Tensor, token_ids: Sequence[int], top_n: Sequence[int], decode=None
+# Rows per block in `token_logprobs` (4 x 151,936 float32: 2.4 MB).
+_BLOCK = 4
+
+
+def _log_distributions(
+    logits: torch.Tensor, params: Sequence[SamplingParams], mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, norms): log-probabilities are `scores - norms[:, None]`. Raw mode: the logits and their
+    log-sum-exp (no new [N, V] tensor); processed mode: the distributions sampled from (see above)."""
+    if mode == "raw_logprobs":
+        return logits, torch.logsumexp(logits, dim=1)
+    from specverify import sampler
+
+    transformed = sampler.apply_target_transforms(logits, params)
+    out = torch.log_softmax(transformed, dim=1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        index = torch.tensor(rows)
+        kept = sampler.probabilities(transformed[index], [params[i] for i in rows])
+        dense = torch.full((len(rows), out.shape[1]), float("-inf"))
+        dense[kept.row_ids(), kept.tokens] = torch.log(kept.probs.double()).float()
+        out[index] = dense
+    return out, torch.zeros(out.shape[0])
+
+
+def _entries(
+    scores: torch.Tensor, norms: torch.Tensor, token_ids: Sequence[int], top_n: Sequence[int], decode
 ) -> list[PositionLogprobs]:
-    """Entries for each row of `logprobs` [N, V]: the chosen `token_ids[i]` and its `top_n[i]` best
-    alternatives. `decode(id) -> str` fills `decoded_token` (None: left empty)."""
-    n = logprobs.shape[0]
-    if n == 0:
-        return []
+    n = scores.shape[0]
     chosen = torch.tensor(list(token_ids), dtype=torch.long)
-    chosen_lp = logprobs[torch.arange(n), chosen]
+    chosen_score = scores[torch.arange(n), chosen]
     # Rank as vLLM counts it: 1 + how many tokens are strictly more likely.
-    ranks = (logprobs > chosen_lp[:, None]).sum(dim=1) + 1
-    width = min(max(top_n, default=0), logprobs.shape[1])
-    top_lp, top_ids = torch.topk(logprobs, width, dim=1) if width else (None, None)
+    ranks = ((scores > chosen_score[:, None]).sum(dim=1, dtype=torch.int32) + 1).tolist()
+    chosen_lp = (chosen_score - norms).tolist()
+    width = min(max(top_n, default=0), scores.shape[1])
+    if width:
+        top_scores, top_ids = torch.topk(scores, width, dim=1)
+        top_lp, top_ids = (top_scores - norms[:, None]).tolist(), top_ids.tolist()
     out = []
     for i in range(n):
         token = int(chosen[i])
-        entries = {token: Logprob(float(chosen_lp[i]), int(ranks[i]), _text(decode, token))}
+        entries = {token: Logprob(chosen_lp[i], ranks[i], _text(decode, token))}
         for j in range(min(top_n[i], width)):
-            alt = int(top_ids[i, j])
+            alt = top_ids[i][j]
             if alt not in entries:
-                entries[alt] = Logprob(float(top_lp[i, j]), j + 1, _text(decode, alt))
+                entries[alt] = Logprob(top_lp[i][j], j + 1, _text(decode, alt))
         out.append(entries)
     return out
 

@@ -24,7 +24,7 @@ from specverify.engine.scheduler import Scheduler
 from specverify.engine.sequence import PromptGroup, Request, RequestOutput
 from specverify.engine.suffix_drafter import SUFFIX_FEATURE_ID
 from specverify.features import ACCEPTANCE_FEATURE_ID
-from specverify.logprobs import PositionLogprobs, log_distributions, position_logprobs
+from specverify.logprobs import PositionLogprobs, token_logprobs
 from specverify.models.base import ModelRunner
 from specverify.sampling_params import SamplingParams
 
@@ -967,7 +967,11 @@ class LLMEngine:
                 start = time.perf_counter()
                 scored = prompt[begin + 1 : begin + 1 + len(piece)]
                 entries += self._logprob_entries(
-                    logits, [params] * len(piece), scored, params.prompt_logprobs
+                    logits,
+                    range(len(piece)),
+                    [params] * len(piece),
+                    scored,
+                    [params.prompt_logprobs] * len(piece),
                 )
                 profile.target_sampling += time.perf_counter() - start
             if draft and self.draft is not None:
@@ -1000,7 +1004,7 @@ class LLMEngine:
         rows = [first_rows[i] + j for i in asking for j in range(len(new_tokens[i]))]
         tokens = [t for i in asking for t in new_tokens[i]]
         params = [running[i].params for i in asking for _ in new_tokens[i]]
-        entries = self._logprob_entries(logits[rows], params, tokens, [p.logprobs for p in params])
+        entries = self._logprob_entries(logits, rows, params, tokens, [p.logprobs for p in params])
         at = 0
         for i in asking:
             out[i], at = entries[at : at + len(new_tokens[i])], at + len(new_tokens[i])
@@ -1008,16 +1012,12 @@ class LLMEngine:
         return out
 
     def _logprob_entries(
-        self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int], top_n
+        self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams], tokens: list[int], top_n
     ) -> list[PositionLogprobs]:
-        """Entries of `tokens[i]` and its best alternatives from raw logits row i (logprobs.py)."""
-        transformed = sampled = None
-        if self.config.logprobs_mode == "processed_logprobs":
-            transformed = sampler.apply_target_transforms(logits, params)
-            sampled = sampler.probabilities(transformed, params)
-        logprobs = log_distributions(logits, params, self.config.logprobs_mode, transformed, sampled)
-        top_n = [top_n] * len(tokens) if isinstance(top_n, int) else list(top_n)
-        return position_logprobs(logprobs, tokens, top_n, self._decode_token)
+        """Entries of `tokens[i]` and its best alternatives from raw logits row `rows[i]` (logprobs.py)."""
+        return token_logprobs(
+            logits, rows, params, tokens, top_n, self.config.logprobs_mode, self._decode_token
+        )
 
     def _decode_token(self, token: int) -> str:
         text = self._token_text.get(token)
