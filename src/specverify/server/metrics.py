@@ -99,10 +99,16 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        yield _gauge("queue_depth", "Requests accepted and waiting for a running slot", snap.queue_depth)
+        yield _gauge(
+            "queue_depth",
+            "Sequences accepted and waiting for a running slot (a request with n choices counts n)",
+            snap.queue_depth,
+        )
         yield _gauge("running_requests", "Requests in the running batch", snap.num_running)
         yield _gauge(
-            "in_flight_requests", "Requests accepted and not finished (running + waiting)", snap.in_flight
+            "in_flight_requests",
+            "Sequences accepted and not finished, running + waiting (a request with n choices counts n)",
+            snap.in_flight,
         )
         stats = snap.stats
         if stats is not None:
