@@ -57,22 +57,26 @@ def test_truncate_to_zero_and_release_start_over(runner):
     assert runner.cache_bytes() == 0
 
 
-def test_cache_grows_geometrically(tiny_hf):
+def test_cache_grows_in_blocks(tiny_hf, monkeypatch):
+    from specverify.models import llama
+
+    monkeypatch.setattr(llama, "KV_BLOCK_TOKENS", 64)
     directory, _ = tiny_hf("qwen2")
     runner, _ = load_runner(directory, dtype="float32", max_model_len=256, progress=False)
     capacities = []
     runner.forward([0], [tokens(3, 5)], [0])
-    for i in range(130):
+    for i in range(250):
         runner.forward([0], [[i % TINY_VOCAB]], [0])
         capacities.append(runner._caches[0].capacity)
-    assert runner.cache_length(0) == 133
-    assert sorted(set(capacities)) == [
-        64,
-        128,
-        256,
-    ]  # doubling, clamped to max_model_len: no per-token realloc
+    assert runner.cache_length(0) == 253
+    # Whole blocks, never more than one block beyond the length (what the KV budget counts): no
+    # per-token realloc, no doubling that would leave half a cache unaccounted.
+    assert sorted(set(capacities)) == [64, 128, 192, 256]
+    assert all(c - 64 < n + 4 <= c for n, c in enumerate(capacities))
     runner.truncate(0, 10)  # rollback keeps the allocation for the next appends
     assert runner._caches[0].capacity == 256
+    runner.reserve(1, 200)  # a prompt's room at once
+    assert runner._caches[1].capacity == 256 and runner.cache_length(1) == 0
 
 
 def test_exceeding_max_model_len_raises_and_leaves_caches_alone(runner):

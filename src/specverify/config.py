@@ -116,6 +116,9 @@ class EngineConfig:
     record_trace: str | None = None  # path of a JSONL trace of labelled drafts
     # Which distribution `logprobs` report (logprobs.py): "raw_logprobs" or "processed_logprobs".
     logprobs_mode: str = "raw_logprobs"
+    # GiB the KV caches of both models may hold (engine/kv_budget.py); None: derived from the memory
+    # available once the weights are loaded.
+    kv_cache_memory: float | None = None
 
     def __post_init__(self) -> None:
         from specverify.logprobs import LOGPROBS_MODES
@@ -127,5 +130,10 @@ class EngineConfig:
         budget = self.max_prefill_tokens
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise ConfigError(f"max_prefill_tokens must be a positive integer or None, got {budget!r}")
+        memory = self.kv_cache_memory
+        if memory is not None and (
+            not isinstance(memory, int | float) or isinstance(memory, bool) or not 0 < memory < 1e6
+        ):
+            raise ConfigError(f"kv_cache_memory must be a positive number of GiB or None, got {memory!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len!r}")

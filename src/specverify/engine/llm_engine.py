@@ -20,6 +20,7 @@ import torch
 
 from specverify import sampler
 from specverify.config import ConfigError, EngineConfig
+from specverify.engine.kv_budget import GIB, KVBudget, default_kv_bytes
 from specverify.engine.scheduler import Scheduler
 from specverify.engine.sequence import PromptGroup, Request, RequestOutput
 from specverify.engine.suffix_drafter import SUFFIX_FEATURE_ID
@@ -126,6 +127,8 @@ class EngineStats:
     accepted_per_position: list[int] = field(default_factory=list)
     step_seconds_total: float = 0.0
     planning_seconds_total: float = 0.0
+    preemptions: int = 0  # running requests taken out to keep the KV caches within budget
+    kv_cache_tokens: int = 0  # cache positions the running requests are counted at (KVBudget)
     profile: StepProfile = field(default_factory=StepProfile)
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
@@ -191,7 +194,12 @@ class LLMEngine:
             limits.append(self.config.max_model_len)
         self.max_model_len = min(limits)
         self.eos_token_ids = self._eos_ids(tokenizer, target)
-        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
+        self._shared_prompts: dict[int, int] = {}  # prompt caches of several samples: seq id -> tokens
+        self._kv_exhausted: list[Request] = []  # requests ended because they filled the KV budget alone
+        self.kv = self._make_kv_budget()
+        self.scheduler = Scheduler(
+            self.config.max_num_seqs, self.config.max_prefill_tokens, self._kv_fits if self.kv else None
+        )
         self.stats = EngineStats()
         self._seed_source = np.random.SeedSequence(self.config.seed)
         self.incremental_text = False  # the server turns this on to stream text deltas
@@ -350,6 +358,12 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.target.vocab_size]
         if bad:
             raise PromptError(f"prompt token ids out of range [0, {self.target.vocab_size}): {bad[:5]}")
+        if self.kv is not None and not self.kv.fits_alone(len(ids)):
+            raise PromptError(
+                f"the prompt has {len(ids)} tokens, whose KV cache ({self.kv.describe(self.kv.tokens(len(ids)))}"
+                f") would not fit in the KV cache budget ({self.kv.describe(self.kv.budget_tokens)}); send a "
+                "shorter prompt or give the server more kv_cache_memory"
+            )
         for token in list(params.logit_bias) + list(params.banned_token_ids):
             if not 0 <= int(token) < self.target.vocab_size:
                 raise ValueError(f"token id {token} in logit_bias/banned_token_ids is out of the vocabulary")
@@ -401,16 +415,24 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
+        self.scheduler.schedule()
         start = time.perf_counter()
-        self._prepare(scheduled)
+        outputs = []
+        if self.kv is not None:
+            self._preempt_over_budget()
+            outputs += [self._emit(r, [], None) for r in self._kv_exhausted]
+            self._kv_exhausted.clear()
+            self.stats.kv_cache_tokens = self.kv.in_use(self.scheduler.running, self._shared_prompts.values())
+        scheduled = list(self.scheduler.running)
+        if not scheduled:
+            return outputs
+        busy = self._prefill_phase(scheduled)
+        ready = [r for r in scheduled if id(r) not in busy]
         # max_tokens = 0: prefilled (and scored) only, they finish here without decoding.
-        outputs = [self._emit(r, [], []) for r in scheduled if r.params.max_tokens == 0]
-        running = [r for r in scheduled if r.params.max_tokens > 0]
+        outputs += [self._emit(r, [], None) for r in ready if r.params.max_tokens == 0]
+        running = [r for r in ready if r.params.max_tokens > 0]
         if not running:
-            self.scheduler.finish(scheduled)
+            self.scheduler.finish([r for r in scheduled if r.finished])
             return outputs
         # Which requests decode greedily: they use the greedy estimator (computed once per step).
         greedy = self._greedy_rows(running)
@@ -926,68 +948,138 @@ class LLMEngine:
 
     # ---- prompts prefilled before their first step: scored prompts, prompts of several samples ------
 
-    def _prepare(self, scheduled: list[Request]) -> None:
-        """Prefill, before its first step, each new request that scores its prompt (prompt logprobs),
-        samples it several times (the samples copy one prefill) or only prefills (max_tokens = 0).
-        The last prompt token is left to the step, as for every request."""
+    def _prefill_phase(self, scheduled: list[Request]) -> set[int]:
+        """Prefill, in chunks of at most `max_prefill_tokens` per step (all requests together), what must
+        be prefilled apart from the step's decoding: a prompt that scores its tokens (prompt logprobs,
+        chunks of 256 at most), the prompt of several samples (fed once into the group's cache, which each
+        sample copies), and any context longer than one chunk (a long prompt; a preempted request's
+        tokens). The last token is always left to the step, as for every request. Returns the ids of the
+        requests still prefilling: they skip this step's decoding while the others decode."""
+        budget = self.config.max_prefill_tokens or self.max_model_len
+        busy: set[int] = set()
         for request in scheduled:
-            if request.prepared:
-                continue
-            request.prepared = True
-            params, group = request.params, request.group
-            if group is not None:
-                if not group.prefilled:
-                    group.prompt_logprobs = self._prefill(group.seq_id, request, draft=True)
-                    group.prefilled = True
-                request.prompt_logprobs = group.prompt_logprobs
-                length = min(self.target.cache_length(group.seq_id), request.num_tokens - 1)
-                if params.max_tokens > 0 and length > 0:
-                    self.target.fork(group.seq_id, request.seq_id, length)
-                    if self.draft is not None:
-                        self.draft.fork(group.seq_id, request.seq_id, length)
-                self._leave_group(request)
-            elif params.prompt_logprobs is not None:
-                request.prompt_logprobs = self._prefill(request.seq_id, request, draft=False)
+            fed, done = self._prefill_request(request, budget)
+            budget -= fed
+            if not done:
+                busy.add(id(request))
+        return busy
 
-    def _prefill(self, seq_id: int, request: Request, draft: bool) -> list[PositionLogprobs | None] | None:
-        """Feed the prompt but its last token to sequence `seq_id` of the target (and of the draft when
-        `draft`); with prompt logprobs asked, return them (position 0 has none)."""
-        params, prompt = request.params, request.prompt_token_ids
-        fed = prompt[: len(prompt) - 1]
+    def _prefill_request(self, request: Request, budget: int) -> tuple[int, bool]:
+        """Feed one chunk (at most `budget` tokens) of what `request` must prefill first; (tokens fed,
+        whether it may decode this step)."""
+        params, group = request.params, request.group
+        if group is not None and not request.prepared:
+            fed = 0
+            if not group.prefilled:
+                self._shared_prompts[group.seq_id] = request.num_tokens
+                fed, group.prefilled = self._feed_prompt(group.seq_id, request, budget, group_cache=True)
+                if not group.prefilled:
+                    return fed, False
+            request.prompt_logprobs, request.prepared = group.prompt_logprobs, True
+            length = min(self.target.cache_length(group.seq_id), request.num_tokens - 1)
+            if params.max_tokens > 0 and length > 0:
+                self.target.fork(group.seq_id, request.seq_id, length)
+                if self.draft is not None and self.draft.cache_length(group.seq_id) >= length:
+                    self.draft.fork(group.seq_id, request.seq_id, length)
+            self._leave_group(request)
+            return fed, True
+        if not request.prepared and params.prompt_logprobs is not None:
+            fed, request.prepared = self._feed_prompt(request.seq_id, request, budget)
+            return fed, request.prepared
+        request.prepared = True
+        missing = request.num_tokens - 1 - self.target.cache_length(request.seq_id)
+        if self.config.max_prefill_tokens is None or missing <= self.config.max_prefill_tokens:
+            return 0, True  # short enough to go with the step's own forward, as it always did
+        return self._feed_prompt(request.seq_id, request, budget)
+
+    def _feed_prompt(
+        self, seq_id: int, request: Request, budget: int, group_cache: bool = False
+    ) -> tuple[int, bool]:
+        """Feed the next chunk (at most `budget` tokens) of the request's tokens but its last to sequence
+        `seq_id` of the target, and of the draft where the draft's cache keeps up; score the chunk's
+        tokens when the request asks for prompt logprobs (into the group's entries for a group cache).
+        Returns (tokens fed, whether everything but the last token is now cached)."""
+        params = request.params
+        tokens = request.prompt_token_ids if group_cache else request.tokens
         scoring = params.prompt_logprobs is not None
-        chunk = _SCORING_CHUNK if scoring else (self.config.max_prefill_tokens or len(fed) or 1)
-        entries: list[PositionLogprobs | None] = [None]
+        done, goal = self.target.cache_length(seq_id), len(tokens) - 1
+        if done == 0 and hasattr(self.target, "reserve"):
+            self.target.reserve(seq_id, goal + 1)  # one allocation for the whole prompt
+        piece = tokens[done : min(goal, done + min(budget, _SCORING_CHUNK if scoring else budget))]
+        if not piece:
+            return 0, done >= goal
         profile = self.stats.profile
-        for begin in range(0, len(fed), chunk):
-            piece = fed[begin : begin + chunk]
+        start = time.perf_counter()
+        logits = self.target.forward([seq_id], [piece], [len(piece) if scoring else 0])
+        profile.target_forward += time.perf_counter() - start
+        if scoring:
             start = time.perf_counter()
-            logits = self.target.forward([seq_id], [piece], [len(piece) if scoring else 0])
-            profile.target_forward += time.perf_counter() - start
-            if scoring:
-                start = time.perf_counter()
-                scored = prompt[begin + 1 : begin + 1 + len(piece)]
-                entries += self._logprob_entries(
-                    logits,
-                    range(len(piece)),
-                    [params] * len(piece),
-                    scored,
-                    [params.prompt_logprobs] * len(piece),
-                )
-                profile.target_sampling += time.perf_counter() - start
-            if draft and self.draft is not None:
-                start = time.perf_counter()
-                self.draft.forward([seq_id], [piece], [0])
-                profile.draft_forward += time.perf_counter() - start
-        return entries if scoring else None
+            owner = request.group if group_cache else request
+            if done == 0 or owner.prompt_logprobs is None:
+                owner.prompt_logprobs = [None]  # position 0 has none; a restart scores afresh
+            n = len(piece)
+            owner.prompt_logprobs += self._logprob_entries(
+                logits, range(n), [params] * n, tokens[done + 1 : done + 1 + n], [params.prompt_logprobs] * n
+            )
+            profile.target_sampling += time.perf_counter() - start
+        if self.draft is not None and self.draft.cache_length(seq_id) == done:
+            start = time.perf_counter()
+            if done == 0 and hasattr(self.draft, "reserve"):
+                self.draft.reserve(seq_id, goal + 1)
+            self.draft.forward([seq_id], [piece], [0])
+            profile.draft_forward += time.perf_counter() - start
+        return len(piece), done + len(piece) >= goal
 
     def _leave_group(self, request: Request) -> None:
         """`request` no longer needs its group's prompt cache; the last one to leave frees it."""
         group = request.group
         group.waiting.discard(request.seq_id)
-        if not group.waiting and group.prefilled:
+        if not group.waiting:
+            self._shared_prompts.pop(group.seq_id, None)
             self.target.release(group.seq_id)
             if self.draft is not None:
                 self.draft.release(group.seq_id)
+
+    # ---- the KV budget ------------------------------------------------------------------------------
+
+    def _make_kv_budget(self) -> KVBudget | None:
+        """The KV budget over both runners (None where a runner does not say what a token takes)."""
+        runners = [self.target] + ([self.draft] if self.draft is not None else [])
+        per_token = [getattr(r, "kv_bytes_per_token", 0) for r in runners]
+        if not all(per_token):
+            return None
+        memory = self.config.kv_cache_memory
+        budget = default_kv_bytes(self.target.device) if memory is None else int(memory * GIB)
+        growth = 1 + (self.spec.num_speculative_tokens if self.spec is not None else 0)
+        block = max(getattr(r, "kv_block_tokens", 1) for r in runners)
+        return KVBudget(budget, sum(per_token), block, growth, self.max_model_len)
+
+    def _kv_fits(self, running: list[Request], candidate: Request) -> bool:
+        """May `candidate` join the running batch within the KV budget?"""
+        used = self.kv.in_use([*running, candidate], self._shared_prompts.values())
+        return used <= self.kv.budget_tokens
+
+    def _preempt_over_budget(self) -> None:
+        """While the running requests' next step would take the KV caches over budget, preempt the newest
+        (its caches are freed; it goes back to the queue's front and is recomputed from its tokens when
+        it resumes: its output does not change). A request alone over budget has filled all the budget
+        gives it: it ends with finish reason "length"."""
+        running = self.scheduler.running
+        while self.kv.in_use(running, self._shared_prompts.values()) > self.kv.budget_tokens:
+            if len(running) == 1 and not self.kv.fits_alone(running[0].num_tokens):
+                request = running[0]
+                request.finished, request.finish_reason = True, "length"
+                self._kv_exhausted.append(request)
+                self.scheduler.finish([request])
+                break
+            if len(running) == 1:
+                break  # over only with the shared prompt caches of waiting samples: they free up soon
+            victim = running[-1]
+            self.scheduler.preempt(victim)
+            self.target.release(victim.seq_id)
+            if self.draft is not None:
+                self.draft.release(victim.seq_id)
+            self.stats.preemptions += 1
 
     # ---- log-probabilities --------------------------------------------------------------------------
 

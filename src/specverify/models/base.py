@@ -39,6 +39,10 @@ class ModelRunner(Protocol):
         """Forget the sequence and free its cache (unknown ids are ignored)."""
         ...
 
+    # Optional, for the engine's KV budget (absent: no budget): `kv_bytes_per_token` (keys and values of
+    # one cached token, all layers) and `kv_block_tokens` (a cache's capacity is its length rounded up
+    # to a multiple of it); `reserve(seq_id, length)` makes room for a prompt before it is prefilled.
+
     def fork(self, source: int, seq_id: int, length: int) -> None:
         """Start sequence `seq_id` (not yet known) with a copy of the first `length` cached tokens of
         `source`: what several samples of one prompt share."""

@@ -20,6 +20,10 @@ from torch import nn
 from .model_config import ModelConfig
 from .quant import QuantizedWeight, quantizable
 
+# KV caches grow in blocks of this many positions (copying the cache each time: one copy per 256 decoded
+# tokens costs well under 1 % of decoding; doubling would leave up to half of a cache unused and uncounted).
+KV_BLOCK_TOKENS = 256
+
 
 class KVCache:
     """Keys and values of one sequence, all layers: `k[layer]` is `[kv_heads, capacity, head_dim]`.
@@ -38,10 +42,11 @@ class KVCache:
         return self.k.shape[2]
 
     def reserve(self, needed: int, limit: int) -> None:
-        """Make room for `needed` positions (doubling, at least 64, at most `limit` unless more is needed)."""
+        """Make room for `needed` positions: capacity grows in blocks of KV_BLOCK_TOKENS (at most `limit`
+        unless more is needed), so it never exceeds what the engine's KV budget counts for the sequence."""
         if needed <= self.capacity:
             return
-        new_cap = max(needed, min(limit, max(64, 2 * self.capacity)))
+        new_cap = max(needed, min(limit, -(-needed // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS))
         layers, heads, _, head_dim = self._shape
         shape = (layers, heads, new_cap, head_dim)
         k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .base import check_logit_token_ids
-from .llama import KVCache, LlamaModel, PackedWeight, SeqChunk, can_pack_weights
+from .llama import KV_BLOCK_TOKENS, KVCache, LlamaModel, PackedWeight, SeqChunk, can_pack_weights
 from .model_config import ModelConfig
 from .quant import QuantizedWeight, quantizable
 
@@ -90,6 +90,25 @@ class TorchModelRunner:
         # those rows (None: the model's own).
         self.logit_token_ids: torch.Tensor | None = None
         self._head: torch.Tensor | PackedWeight | QuantizedWeight | None = None
+
+    # KV-cache accounting (the engine's budget): a cache's capacity is its length rounded up to a block.
+    kv_block_tokens = KV_BLOCK_TOKENS
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one cached token takes, all layers."""
+        c = self.config
+        return (
+            2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        )
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Make room for `length` tokens of the sequence at once (a prompt about to be prefilled in
+        chunks: one allocation instead of one per chunk); an unknown id starts an empty cache."""
+        cache = self._caches.get(seq_id)
+        if cache is None:
+            cache = self._caches[seq_id] = KVCache(self.config, self.dtype, self.device)
+        cache.reserve(min(length, self.max_model_len), self.max_model_len)
 
     @property
     def num_logit_columns(self) -> int:

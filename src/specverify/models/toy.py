@@ -14,7 +14,13 @@ LogitsFn = Callable[[tuple[int, ...]], torch.Tensor]
 class ToyRunner:
     """A `ModelRunner` whose logits are a pure function of the context; the "KV cache" is the token list."""
 
-    def __init__(self, vocab_size: int, logits_fn: LogitsFn, max_model_len: int = 4096) -> None:
+    kv_block_tokens = 1
+
+    def __init__(
+        self, vocab_size: int, logits_fn: LogitsFn, max_model_len: int = 4096, kv_bytes_per_token: int = 0
+    ) -> None:
+        """`kv_bytes_per_token`: what the engine's KV budget counts per cached token (0: no budget)."""
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.device = torch.device("cpu")
