@@ -29,17 +29,35 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=None)
-    add_prefill_argument(parser)
+    add_batch_arguments(parser)
 
 
-def add_prefill_argument(parser: argparse.ArgumentParser) -> None:
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """How much the batch may take per step (prompt tokens) and in all (KV-cache memory)."""
     parser.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=512,
-        help="prompt tokens that may join the batch per step; a longer prompt joins alone (0: no limit; "
-        "default 512)",
+        help="prompt tokens prefilled per step; a longer prompt is prefilled in chunks of this size over "
+        "several steps while the running requests keep decoding (0: no limit, one forward; default 512)",
     )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=_positive_float,
+        metavar="GIB",
+        help="GiB the KV caches of both models may hold; requests wait, or the newest is preempted, to "
+        "stay within it (default: 90 %% of the memory available after loading the weights, less 2 GiB)",
+    )
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1e6:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def prefill_budget(args: argparse.Namespace) -> int | None:
@@ -75,6 +93,7 @@ def llm_from_args(args: argparse.Namespace, **kwargs):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_prefill_tokens=prefill_budget(args),
+        kv_cache_memory=args.kv_cache_memory,
         **kwargs,
     )
 

@@ -126,6 +126,7 @@ class LLM:
         seed: int = 0,
         record_trace: str | None = None,
         logprobs_mode: str = "raw_logprobs",
+        kv_cache_memory: float | None = None,
         models: LoadedModels | None = None,
         cost_model=None,
     ) -> None:
@@ -138,6 +139,7 @@ class LLM:
             speculative=spec,
             record_trace=record_trace,
             logprobs_mode=logprobs_mode,
+            kv_cache_memory=kv_cache_memory,
         )
         self.models = models or load_models(
             model,

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from specverify.bench.datasets import DATASETS
-from specverify.cli import add_prefill_argument, prefill_budget
+from specverify.cli import add_batch_arguments, prefill_budget
 
 # Sized for a 2-core CPU and the default pair: with a target step of ~0.35 s (1 token) to ~1.9 s (192),
 # a draft step of ~0.2 s and prefill at ~100 prompt tokens/s, loading + cost profiling + warm-up + the
@@ -100,7 +100,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-model-len", type=int, default=None)
-    add_prefill_argument(p)
+    add_batch_arguments(p)
     p.add_argument(
         "--dataset",
         default="mixed",
@@ -242,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         warmup_tokens=args.warmup_tokens,
         max_prefill_tokens=prefill_budget(args),
+        kv_cache_memory=args.kv_cache_memory,
     )
     progress = not args.no_progress
     started = time.perf_counter()

@@ -63,6 +63,7 @@ class BenchConfig:
     # Prompt tokens that join an engine's batch per step (EngineConfig.max_prefill_tokens): a round's
     # prompts are prefilled over several short steps, which stepping in turn pairs like decode steps.
     max_prefill_tokens: int | None = 512
+    kv_cache_memory: float | None = None  # GiB per engine (EngineConfig.kv_cache_memory); None: default
     # Without num_prompts, a point gets at least this many prompts (one prompt alone is too noisy).
     min_prompts: int = 4
     # At least this many rounds of `concurrency` prompts per point: more side-by-side repetitions at a
@@ -306,6 +307,7 @@ class BenchRunner:
         config = EngineConfig(
             max_num_seqs=concurrency,
             max_prefill_tokens=self.config.max_prefill_tokens,
+            kv_cache_memory=self.config.kv_cache_memory,
             seed=self.config.seed,
             speculative=self.spec_for(mode),
         )

@@ -129,6 +129,8 @@ class EngineStats:
     planning_seconds_total: float = 0.0
     preemptions: int = 0  # running requests taken out to keep the KV caches within budget
     kv_cache_tokens: int = 0  # cache positions the running requests are counted at (KVBudget)
+    kv_cache_bytes: int = 0  # what those positions take in both models
+    kv_budget_bytes: int = 0  # the KV budget (0: none)
     profile: StepProfile = field(default_factory=StepProfile)
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
@@ -201,6 +203,7 @@ class LLMEngine:
             self.config.max_num_seqs, self.config.max_prefill_tokens, self._kv_fits if self.kv else None
         )
         self.stats = EngineStats()
+        self.stats.kv_budget_bytes = self.kv.budget_bytes if self.kv is not None else 0
         self._seed_source = np.random.SeedSequence(self.config.seed)
         self.incremental_text = False  # the server turns this on to stream text deltas
         self.estimator = None  # acceptance estimator for sampled requests (temperature > 0)
@@ -423,6 +426,7 @@ class LLMEngine:
             outputs += [self._emit(r, [], None) for r in self._kv_exhausted]
             self._kv_exhausted.clear()
             self.stats.kv_cache_tokens = self.kv.in_use(self.scheduler.running, self._shared_prompts.values())
+            self.stats.kv_cache_bytes = self.stats.kv_cache_tokens * self.kv.bytes_per_token
         scheduled = list(self.scheduler.running)
         if not scheduled:
             return outputs
