@@ -187,15 +187,25 @@ def create_app(
     estimator_state: str | None = None,
     shutdown_timeout: float = 30.0,
     model_aliases: tuple[str, ...] = (),
+    estimator_checkpoint_interval: float = 60.0,
+    estimator_state_reset: bool = False,
 ) -> FastAPI:
     """Build the app around an engine. The engine thread starts and stops with the app's lifespan.
 
-    `estimator_state`: a JSON file the estimator is restored from at start (when it exists) and saved to
-    at shutdown. `shutdown_timeout`: how long in-flight requests may run once shutdown begins.
+    `estimator_state`: a JSON file the estimator is restored from at start (when it exists), written every
+    `estimator_checkpoint_interval` seconds (0: never) and at shutdown; `estimator_state_reset` starts cold
+    and overwrites it. `shutdown_timeout`: how long in-flight requests may run once shutdown begins.
     `model_aliases`: names accepted in requests besides the served name (e.g. the model's path).
     """
     metrics = ServerMetrics()
-    worker = EngineWorker(engine, max_queue=max_queue, estimator_state=estimator_state, metrics=metrics)
+    worker = EngineWorker(
+        engine,
+        max_queue=max_queue,
+        estimator_state=estimator_state,
+        metrics=metrics,
+        checkpoint_interval=estimator_checkpoint_interval,
+        reset_estimator_state=estimator_state_reset,
+    )
     metrics.registry.register(EngineCollector(worker.snapshot))
     ctx = ServerContext(
         worker,

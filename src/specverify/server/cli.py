@@ -30,7 +30,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--estimator-state",
         metavar="PATH",
-        help="restore the acceptance estimator from PATH at start (if it exists) and save it there at shutdown",
+        help="restore the acceptance estimator from PATH at start (if it exists; a file that cannot be read "
+        "stops the server) and save it there periodically and at shutdown",
+    )
+    p.add_argument(
+        "--estimator-checkpoint-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --estimator-state, also save it every SECONDS when it has learned something, so a crash "
+        "loses at most that much (0: only at shutdown; default: 60)",
+    )
+    p.add_argument(
+        "--estimator-state-reset",
+        action="store_true",
+        help="start with a cold estimator even if --estimator-state exists; the file is overwritten later",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -58,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --port must be in [0, 65535]")
     if args.shutdown_timeout < 0:
         raise SystemExit("error: --shutdown-timeout must be >= 0")
+    if args.estimator_checkpoint_interval < 0:
+        raise SystemExit("error: --estimator-checkpoint-interval must be >= 0")
     if args.estimator_state and not os.path.isdir(os.path.dirname(os.path.abspath(args.estimator_state))):
         raise SystemExit(f"error: the directory of --estimator-state {args.estimator_state} does not exist")
     logging.basicConfig(
@@ -65,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     from specverify.server.app import SpecverifyServer, create_app
+    from specverify.server.worker import EstimatorStateError
 
     llm = llm_from_args(args, seed=args.seed, logprobs_mode=args.logprobs_mode)
     app = create_app(
@@ -74,9 +91,15 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         estimator_state=args.estimator_state,
         shutdown_timeout=args.shutdown_timeout,
+        estimator_checkpoint_interval=args.estimator_checkpoint_interval,
+        estimator_state_reset=args.estimator_state_reset,
         # Clients often name the model by what was passed to --model (vLLM's default name): accept that too.
         model_aliases=(args.model, Path(args.model).name, Path(args.model).stem) if args.model else (),
     )
+    try:
+        app.state.ctx.worker.restore_estimator()  # before listening: a broken file stops the server here
+    except EstimatorStateError as e:
+        raise SystemExit(f"error: {e}") from e
     server = SpecverifyServer(app, host=args.host, port=args.port, log_level=args.log_level)
     try:
         server.run()

@@ -3,8 +3,8 @@
 Two kinds: counters and histograms the server updates as things happen (HTTP requests, step times,
 draft depth and verification budget per step, time to first token), and a collector that turns the
 worker's latest engine snapshot into metrics at scrape time (token counts per draft position, queue depth,
-estimator coefficients, rolling calibration). Each server gets its own registry, so several can live in
-one process (the tests run many).
+estimator coefficients and label count, the latest estimator checkpoint, rolling calibration). Each
+server gets its own registry, so several can live in one process (the tests run many).
 """
 
 from __future__ import annotations
@@ -139,6 +139,17 @@ class EngineCollector(Collector):
                 for k, count in enumerate(value):
                     family.add_metric([str(k)], float(count))
                 yield family
+            yield _counter(
+                "preemptions",
+                "Running requests preempted to keep the KV caches within budget",
+                stats.preemptions,
+            )
+            yield _gauge(
+                "kv_cache_usage_bytes",
+                "KV-cache bytes (both models) the running requests are counted at, as of the latest step",
+                stats.kv_cache_bytes,
+            )
+            yield _gauge("kv_cache_budget_bytes", "The KV-cache budget (0: none)", stats.kv_budget_bytes)
             yield _gauge("last_step_seconds", "Wall time of the latest engine step", stats.last_step_seconds)
             yield _gauge("batch_size", "Requests in the latest engine step", stats.last_batch_size)
             yield _gauge(
@@ -150,6 +161,19 @@ class EngineCollector(Collector):
         # Every estimator figure is labelled with the drafter it learns: each drafter has its own fit.
         drafter = snap.drafter or "none"
         yield _gauge("drafter_info", "The drafter in use (label), 1", 1.0, drafter=drafter)
+        if snap.estimator_observed is not None:
+            yield _gauge(
+                "estimator_observed_labels",
+                "Labels the acceptance estimators learned from, those restored from --estimator-state included",
+                snap.estimator_observed,
+                drafter=drafter,
+            )
+        if snap.checkpoint_time is not None:
+            yield _gauge(
+                "estimator_checkpoint_timestamp_seconds",
+                "Unix time of the latest write of the estimator state file",
+                snap.checkpoint_time,
+            )
         slopes = snap.estimator_slopes
         if len(slopes) == 1:
             yield _gauge(

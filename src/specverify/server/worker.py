@@ -12,13 +12,20 @@ finished.
 Admission control lives here too: in-flight work is counted in samples (running plus waiting, as the
 engine counts its running slots); once `max_num_seqs + max_queue` are taken `submit` raises `QueueFull`
 at once, so the HTTP side can answer 429 instead of letting clients hang.
+
+With an estimator state file, the worker restores the estimator at start (a file it cannot use stops the
+server: `EstimatorStateError`), writes it every `checkpoint_interval` seconds between steps when it has
+learned something since the last write, and once more at shutdown; every write goes to a temporary file
+renamed over the old one, so a crash (even `kill -9`) leaves the previous complete state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -47,6 +54,10 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The server is draining and takes no new requests."""
+
+
+class EstimatorStateError(Exception):
+    """The estimator state file exists but cannot be used; the message names it and the ways out."""
 
 
 @dataclass
@@ -82,6 +93,8 @@ class EngineSnapshot:
     estimator_intercepts: list[float] = field(default_factory=list)
     calibration: dict[str, float] = field(default_factory=dict)
     drafter: str | None = None  # the speculative method the estimator belongs to (None: no speculation)
+    estimator_observed: int | None = None  # labels the estimator(s) learned from, restored ones included
+    checkpoint_time: float | None = None  # Unix time of the latest estimator state write
 
     @property
     def queue_depth(self) -> int:
@@ -130,9 +143,15 @@ class EngineWorker:
         max_queue: int = 256,
         estimator_state: str | None = None,
         metrics: Any = None,
+        checkpoint_interval: float = 60.0,
+        reset_estimator_state: bool = False,
     ) -> None:
+        """`checkpoint_interval`: seconds between estimator state writes (0: only at shutdown).
+        `reset_estimator_state`: start cold even when `estimator_state` exists (it is overwritten later)."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval must be >= 0, got {checkpoint_interval}")
         self.engine = engine
         self.max_queue = max_queue
         self.max_num_seqs = int(engine.config.max_num_seqs)
@@ -141,6 +160,12 @@ class EngineWorker:
         self.vocab_size = int(engine.target.vocab_size)
         self.estimator_state = estimator_state
         self.metrics = metrics
+        self.checkpoint_interval = checkpoint_interval
+        self.reset_estimator_state = reset_estimator_state
+        self._restored = False
+        self._checkpoint_due = 0.0  # monotonic time of the next periodic write
+        self._checkpoint_labels: int | None = None  # labels learned at the latest write (or restore)
+        self._checkpoint_time: float | None = None
         # The HTTP side diffs the decoded text to stream deltas, so the engine decodes every step.
         engine.incremental_text = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: safe from a signal handler
@@ -158,18 +183,11 @@ class EngineWorker:
     # ---- life cycle (called from the server's thread) ---------------------------------------------
 
     def start(self) -> None:
-        """Restore the estimator (if a saved state exists) and start the engine thread."""
+        """Restore the estimator (see `restore_estimator`) and start the engine thread."""
         if self._thread is not None:
             return
-        path = self.estimator_state
-        if path and os.path.exists(path):
-            if self.engine.estimator is None:
-                logger.warning("--estimator-state %s ignored: the engine runs without speculation", path)
-            else:
-                # Nothing else touches the engine yet, so loading here (before the thread) is safe, and a
-                # broken file stops the server at start instead of surfacing later.
-                self.engine.load_estimator_state(path)
-                logger.info("estimator state restored from %s", path)
+        self.restore_estimator()
+        self._checkpoint_due = time.monotonic() + self.checkpoint_interval
         self._take_snapshot()
         self._thread = threading.Thread(target=self._run, name="specverify-engine", daemon=True)
         self._thread.start()
@@ -194,6 +212,38 @@ class EngineWorker:
             if self._thread.is_alive():
                 logger.error("the engine thread did not stop in time; estimator state not saved")
             self._thread = None
+
+    def restore_estimator(self) -> None:
+        """Load the estimator state file if there is one; raises EstimatorStateError if it is unusable.
+
+        Called before the engine thread starts (nothing else touches the engine yet), at most once; the
+        CLI calls it before the server listens, so a broken file stops `serve` with a plain message.
+        """
+        if self._restored:
+            return
+        self._restored = True
+        path = self.estimator_state
+        self._checkpoint_labels = self._observed_labels()
+        if not path:
+            return
+        if self.engine.estimator is None:
+            logger.warning("--estimator-state %s ignored: the engine runs without speculation", path)
+        elif self.reset_estimator_state:
+            logger.warning(
+                "estimator state reset: starting cold; %s will be overwritten by its next write", path
+            )
+        elif not os.path.exists(path):
+            logger.info("no estimator state at %s yet: starting cold", path)
+        else:
+            try:
+                self.engine.load_estimator_state(path)
+            except Exception as e:  # any failure means the file cannot be trusted: never start cold silently
+                raise EstimatorStateError(
+                    f"cannot restore the estimator state from {path}: {type(e).__name__}: {e}. Fix or remove "
+                    "the file, or pass --estimator-state-reset to start cold and overwrite it"
+                ) from e
+            self._checkpoint_labels = self._observed_labels()
+            logger.info("estimator state restored from %s (%s labels)", path, self._checkpoint_labels)
 
     @property
     def alive(self) -> bool:
@@ -245,6 +295,7 @@ class EngineWorker:
                     break
                 if engine.has_unfinished_requests():
                     self._step()
+                self._maybe_checkpoint()
                 self._maybe_snapshot()
         except Exception:  # pragma: no cover - the loop itself failing is a bug; do not hang clients
             logger.exception("the engine thread crashed")
@@ -368,6 +419,8 @@ class EngineWorker:
             except Exception:  # an estimator without a fit yet: show no coefficients
                 pass
         snap.calibration = calibration_summary(engine.calibration)
+        snap.estimator_observed = self._observed_labels()
+        snap.checkpoint_time = self._checkpoint_time
         snap.in_flight = self._in_flight
         self._snapshot = snap
         self._snapshot_time = time.monotonic() if now is None else now
@@ -383,18 +436,48 @@ class EngineWorker:
             if kind == "add":
                 self._end(payload, Failure("the server is shutting down", 503, "server_shutdown"), "error")
 
+    def _observed_labels(self) -> int | None:
+        """Labels both estimators (sampled and greedy requests) learned from; None without a count."""
+        estimators = [getattr(self.engine, name, None) for name in ("estimator", "greedy_estimator")]
+        counts = [getattr(est, "n_observed_", None) for est in estimators if est is not None]
+        return sum(counts) if counts and None not in counts else None
+
+    def _maybe_checkpoint(self) -> None:
+        """The periodic estimator write, between steps; skipped while nothing new was learned."""
+        if not self.checkpoint_interval or not self.estimator_state or self.engine.estimator is None:
+            return
+        now = time.monotonic()
+        if now < self._checkpoint_due:
+            return
+        self._checkpoint_due = now + self.checkpoint_interval
+        if self._observed_labels() != self._checkpoint_labels:
+            self._write_estimator_state("checkpoint", logging.DEBUG)
+
+    def _write_estimator_state(self, what: str, level: int) -> None:
+        """Write beside the file and rename over it, so a crash mid-write never leaves a broken state file.
+        A failure is logged, never raised: losing a checkpoint must not stop the server."""
+        path = self.estimator_state
+        tmp = f"{path}.tmp-{os.getpid()}"
+        labels = self._observed_labels()
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.engine.estimator_state(), f)
+                f.flush()
+                os.fsync(f.fileno())  # the rename must never publish a file whose data is not on disk
+            os.replace(tmp, path)
+        except Exception:
+            logger.exception("could not write the estimator state (%s) to %s", what, path)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            return
+        self._checkpoint_labels = labels
+        self._checkpoint_time = time.time()
+        logger.log(level, "estimator state %s written to %s (%s labels)", what, path, labels)
+
     def _finish(self) -> None:
         """Last acts of the engine thread: persist the estimator, close the engine."""
-        path = self.estimator_state
-        if path and self.engine.estimator is not None:
-            try:
-                # Write beside and rename, so a crash mid-write never leaves a broken state file.
-                tmp = f"{path}.tmp-{os.getpid()}"
-                self.engine.save_estimator_state(tmp)
-                os.replace(tmp, path)
-                logger.info("estimator state saved to %s", path)
-            except Exception:
-                logger.exception("could not save the estimator state to %s", path)
+        if self.estimator_state and self.engine.estimator is not None:
+            self._write_estimator_state("at shutdown", logging.INFO)
         try:
             self.engine.close()
         except Exception:
