@@ -84,7 +84,7 @@ def main() -> int:
             if out.finished:
                 done[out.request_id] = out
         steps += 1
-        if short not in done and first_token is None and short_tokens_during_prefill >= args.max_tokens:
+        if short in done and first_token is None:
             # The short request finished while the long one still prefills: start another, keep counting.
             short = engine.add_request(tokenizer.encode("def sub(a, b):", add_special_tokens=False), params)
     total = time.perf_counter() - start
