@@ -136,6 +136,7 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode() -> None:
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert [done[first].output_token_ids, done[second].output_token_ids] == want
+    assert engine.stats.profile.bookkeeping >= 0  # steps of prefill chunks alone count their time too
 
 
 def test_prompt_logprobs_of_a_long_prompt_come_in_bounded_chunks() -> None:

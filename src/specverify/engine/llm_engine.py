@@ -435,8 +435,9 @@ class LLMEngine:
         # max_tokens = 0: prefilled (and scored) only, they finish here without decoding.
         outputs += [self._emit(r, [], None) for r in ready if r.params.max_tokens == 0]
         running = [r for r in ready if r.params.max_tokens > 0]
-        if not running:
+        if not running:  # only prefill chunks this step: their time still counts (the profile has it)
             self.scheduler.finish([r for r in scheduled if r.finished])
+            self.stats.step_seconds_total += time.perf_counter() - start
             return outputs
         # Which requests decode greedily: they use the greedy estimator (computed once per step).
         greedy = self._greedy_rows(running)
