@@ -305,11 +305,25 @@ class LLMEngine:
             self.load_estimator_dict(json.load(f))
 
     def save_estimator_state(self, path: str) -> None:
+        """Write `estimator_state()` as JSON beside `path`, flush it to disk, then rename it over `path`:
+        a crash (even `kill -9`) mid-write leaves the previous complete file."""
+        import contextlib
         import json
+        import os
 
-        if self.estimator is not None:
-            with open(path, "w") as f:
+        if self.estimator is None:
+            return
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
                 json.dump(self.estimator_state(), f)
+                f.flush()
+                os.fsync(f.fileno())  # the rename must never publish a file whose data is not on disk
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
     def speculation_state(self) -> dict | None:
         """What this engine has learned about its drafts, to carry into another engine over the same
@@ -942,10 +956,14 @@ class LLMEngine:
         request.text = text
         return dropped
 
-    def _release(self, request: Request) -> None:
-        self.target.release(request.seq_id)
+    def _free_caches(self, seq_id: int) -> None:
+        """Free a sequence's KV caches in both models."""
+        self.target.release(seq_id)
         if self.draft is not None:
-            self.draft.release(request.seq_id)
+            self.draft.release(seq_id)
+
+    def _release(self, request: Request) -> None:
+        self._free_caches(request.seq_id)
         if self.suffix is not None:
             self.suffix.release(request)
         if request.group is not None:
@@ -1010,7 +1028,8 @@ class LLMEngine:
         done, goal = self.target.cache_length(seq_id), len(tokens) - 1
         if done == 0 and hasattr(self.target, "reserve"):
             self.target.reserve(seq_id, goal + 1)  # one allocation for the whole prompt
-        piece = tokens[done : min(goal, done + min(budget, _SCORING_CHUNK if scoring else budget))]
+        chunk = min(budget, _SCORING_CHUNK) if scoring else budget
+        piece = tokens[done : min(goal, done + chunk)]
         if not piece:
             return 0, done >= goal
         profile = self.stats.profile
@@ -1041,9 +1060,7 @@ class LLMEngine:
         group.waiting.discard(request.seq_id)
         if not group.waiting:
             self._shared_prompts.pop(group.seq_id, None)
-            self.target.release(group.seq_id)
-            if self.draft is not None:
-                self.draft.release(group.seq_id)
+            self._free_caches(group.seq_id)
 
     # ---- the KV budget ------------------------------------------------------------------------------
 
@@ -1081,9 +1098,7 @@ class LLMEngine:
                 break  # over only with the shared prompt caches of waiting samples: they free up soon
             victim = running[-1]
             self.scheduler.preempt(victim)
-            self.target.release(victim.seq_id)
-            if self.draft is not None:
-                self.draft.release(victim.seq_id)
+            self._free_caches(victim.seq_id)  # its suffix counts stay: they are its tokens'
             self.stats.preemptions += 1
 
     # ---- log-probabilities --------------------------------------------------------------------------

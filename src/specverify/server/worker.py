@@ -22,10 +22,8 @@ renamed over the old one, so a crash (even `kill -9`) leaves the previous comple
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -454,21 +452,15 @@ class EngineWorker:
             self._write_estimator_state("checkpoint", logging.DEBUG)
 
     def _write_estimator_state(self, what: str, level: int) -> None:
-        """Write beside the file and rename over it, so a crash mid-write never leaves a broken state file.
-        A failure is logged, never raised: losing a checkpoint must not stop the server."""
+        """Write the state file (the engine writes beside it and renames, so a crash mid-write never
+        leaves a broken file). A failure is logged, never raised: losing a checkpoint must not stop the
+        server."""
         path = self.estimator_state
-        tmp = f"{path}.tmp-{os.getpid()}"
         labels = self._observed_labels()
         try:
-            with open(tmp, "w") as f:
-                json.dump(self.engine.estimator_state(), f)
-                f.flush()
-                os.fsync(f.fileno())  # the rename must never publish a file whose data is not on disk
-            os.replace(tmp, path)
+            self.engine.save_estimator_state(path)
         except Exception:
             logger.exception("could not write the estimator state (%s) to %s", what, path)
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
             return
         self._checkpoint_labels = labels
         self._checkpoint_time = time.time()
