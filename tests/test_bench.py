@@ -848,7 +848,8 @@ def test_cli_with_model_but_no_draft_says_what_to_do() -> None:
 def test_bench_runs_on_a_real_model_pair(smollm2_gguf, specverify_cache, tmp_path: Path) -> None:
     # SmolLM2 as its own draft: any supported pair goes through --model / --speculative-config.
     out = tmp_path / "out"
-    spec = json.dumps({"model": str(smollm2_gguf), "num_speculative_tokens": 3})
+    # Unquantized, so that the draft is the target itself.
+    spec = json.dumps({"model": str(smollm2_gguf), "num_speculative_tokens": 3, "draft_quantization": "none"})
     args = bench_parser().parse_args(
         ["bench", "--model", str(smollm2_gguf), "--speculative-config", spec, "--dataset", "mtbench",
          "--concurrency", "2", "--min-prompts", "2", "--max-tokens", "8", "--warmup-tokens", "2",
@@ -860,6 +861,6 @@ def test_bench_runs_on_a_real_model_pair(smollm2_gguf, specverify_cache, tmp_pat
     assert [r["mode"] for r in results["runs"]] == ["none", "fixed", "adaptive"]
     assert results["config"]["chat_template"] is True
     assert all(r["output_tokens"] > 0 for r in results["runs"])
-    # A model drafting for itself is accepted almost always (bf16 batch effects aside).
+    # A model drafting for itself is accepted almost always (batch-shape rounding aside).
     fixed = [r for r in results["runs"] if r["mode"] == "fixed"]
     assert sum(r["accepted_tokens"] for r in fixed) >= 0.8 * sum(r["verified_tokens"] for r in fixed)

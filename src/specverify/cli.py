@@ -10,6 +10,12 @@ import sys
 # Each subcommand lives beside the feature it drives and registers itself through `add_parser`.
 _COMMAND_MODULES = ("specverify.bench.cli", "specverify.server.cli", "specverify.calibrate_cli")
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+DTYPE_HELP = (
+    "weights and activations; auto (default): bfloat16 on a GPU and on a CPU with bf16 dot products "
+    "(AVX512-BF16, AMX, Arm BF16), float32 on other CPUs, where bf16 is emulated"
+)
+
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Model selection shared by generate, bench and serve."""
@@ -25,7 +31,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         '"model": "draft.gguf", "num_speculative_tokens": 5, "enable_adaptive_verification": true}\'',
     )
     group.add_argument("--no-speculation", action="store_true", help="plain decoding with the target only")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=None)

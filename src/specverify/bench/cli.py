@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from specverify.bench.datasets import DATASETS
-from specverify.cli import add_batch_arguments, prefill_budget
+from specverify.cli import DTYPE_CHOICES, DTYPE_HELP, add_batch_arguments, prefill_budget
 
 # Sized for a 2-core CPU and the default pair: with a target step of ~0.35 s (1 token) to ~1.9 s (192),
 # a draft step of ~0.2 s and prefill at ~100 prompt tokens/s, loading + cost profiling + warm-up + the
@@ -97,7 +97,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         f"drafting from each request's own text and earlier outputs (no draft model, K={DEFAULT_SUFFIX_K}); "
         "a --speculative-config's method decides otherwise",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-model-len", type=int, default=None)
     add_batch_arguments(p)
@@ -202,6 +202,13 @@ def _speculative(args: argparse.Namespace):
     return spec if speculates else None
 
 
+def dtype_name(args: argparse.Namespace) -> str:
+    """The dtype the models run in ("auto" resolved for this machine)."""
+    from specverify.models.runner import resolve_dtype
+
+    return str(resolve_dtype(args.dtype, args.device)).removeprefix("torch.")
+
+
 def _cost_model(models, args: argparse.Namespace, progress: bool):
     """One cost model for every adaptive engine: profiled once (cached per model pair and machine)."""
     from specverify.cost_model import CostModel
@@ -212,7 +219,7 @@ def _cost_model(models, args: argparse.Namespace, progress: bool):
         profile = profile_runners(models.target, models.draft, progress=progress)
     else:
         path = Path(args.profile_cache) if args.profile_cache else cache_dir() / "profiles.json"
-        key = f"{models.target_name}|{models.draft_name}|{args.dtype}|{args.device}"
+        key = f"{models.target_name}|{models.draft_name}|{dtype_name(args)}|{args.device}"
         profile = load_or_profile(models.target, models.draft, path, key, progress=progress)
     return CostModel.from_profile(profile)
 
@@ -282,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     extra = {
         "target": models.target_name,
         "draft": models.draft_name,
-        "dtype": args.dtype,
+        "dtype": dtype_name(args),
         "device": args.device,
         "threads": torch.get_num_threads(),
         "quick": args.quick,

@@ -489,12 +489,12 @@ def model_name(path: str | os.PathLike[str]) -> str:
 
 def load_model(
     path: str | os.PathLike[str],
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     progress: bool = True,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Build the `LlamaModel` (weights in `dtype` on `device`) and its config."""
-    torch_dtype = resolve_dtype(dtype)
+    """Build the `LlamaModel` (weights in `dtype` on `device`; "auto": see `resolve_dtype`) and its config."""
+    torch_dtype = resolve_dtype(dtype, device)
     torch_device = torch.device(device)
     p, kind = _resolve(path)
     if kind == "gguf":
@@ -520,7 +520,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 def load_runner(
     path: str | os.PathLike[str],
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
     *,
@@ -530,12 +530,17 @@ def load_runner(
 ) -> tuple[TorchModelRunner, Any]:
     """Load a `.gguf` file or HF directory: `(runner, tokenizer)`. The tokenizer is None when
     `with_tokenizer` is false (e.g. a draft sharing the target's tokenizer) or the directory has none.
-    `pack_weights`: see `TorchModelRunner` (None: oneDNN-packed bf16 weights on the CPU when available).
+    `pack_weights`: see `TorchModelRunner` (None: oneDNN-packed weights on the CPU when available).
     Raises `ModelLoadError` with what is wrong and what to do."""
     model, config = load_model(path, dtype=dtype, device=device, progress=progress)
     try:
         runner = TorchModelRunner(
-            model, config, device=device, dtype=dtype, max_model_len=max_model_len, pack_weights=pack_weights
+            model,
+            config,
+            device=device,
+            dtype=model.embed.dtype,
+            max_model_len=max_model_len,
+            pack_weights=pack_weights,
         )
     except ValueError as e:
         raise ModelLoadError(str(e)) from e

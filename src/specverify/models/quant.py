@@ -2,7 +2,7 @@
 
 At the few rows of a draft step a matmul is bound by reading the weight from memory, so int4 weights
 (a quarter of bf16's bytes) run ~2x faster there; at more rows the int4 kernel's compute catches up and
-oneDNN's packed bf16 GEMM wins. A `QuantizedWeight` therefore keeps both copies and picks by row count
+oneDNN's packed GEMM wins. A `QuantizedWeight` therefore keeps both copies and picks by row count
 (`linear` in `llama.py` does the dispatch). Weight-only quantization changes the draft's distribution
 slightly, never the output: verification against the target stays lossless.
 """
@@ -22,7 +22,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 class QuantizedWeight:
     """A weight [N, K] as int8 (symmetric, one scale per output channel) or int4 (asymmetric, a scale
-    and zero per `group_size` inputs), next to its bf16 form `dense` (a `PackedWeight` or the plain
+    and zero per `group_size` inputs), next to its dense form `dense` (a `PackedWeight` or the plain
     tensor, kept for `rows > max_rows`)."""
 
     def __init__(
@@ -40,7 +40,9 @@ class QuantizedWeight:
         self.shape, self.bits, self.group_size, self.max_rows = weight.shape, bits, group_size, max_rows
         self.dense = dense
         w = weight.detach().float()
-        dtype = weight.dtype  # the kernels want scales in the activations' dtype
+        # The kernels want scales in the activations' dtype, and bf16 activations: with float32 ones
+        # the int4 kernel falls back to scalar code (26x slower at one row on an AVX2 CPU).
+        dtype = torch.bfloat16
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -58,11 +60,13 @@ class QuantizedWeight:
             self.scales = torch.stack((scale, lo + 8 * scale), dim=-1).transpose(0, 1).contiguous().to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N] through the quantized kernel (whatever M is)."""
+        """x [M, K] -> [M, N] through the quantized kernel (whatever M is), in x's dtype."""
+        xq = x.to(self.scales.dtype)
         if self.bits == 8:
-            out = torch._weight_int8pack_mm(x, self.qweight, self.scales)
+            out = torch._weight_int8pack_mm(xq, self.qweight, self.scales)
         else:
-            out = torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.scales)
+            out = torch._weight_int4pack_mm_for_cpu(xq, self.qweight, self.group_size, self.scales)
+        out = out.to(x.dtype)
         return out if bias is None else out + bias
 
     def nbytes(self) -> int:
@@ -88,8 +92,9 @@ def quantizable(shape: torch.Size | tuple[int, ...], bits: int, group_size: int 
 
 def can_quantize_weights(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the quantized CPU kernels run here and agree with a float matmul (they are PyTorch
-    internals: a build without them keeps the bf16 path)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    internals: a build without them keeps the dense path). A float32 model runs them on bf16 copies of
+    its activations."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
     try:
         g = torch.Generator().manual_seed(0)
