@@ -166,3 +166,28 @@ def test_quantize_weights_gives_logits_close_to_the_bf16_model(tied: bool, pack:
         model.pack_weights()
         assert model.is_packed and isinstance(model.layers[0].wo.dense, PackedWeight)
         assert torch.equal(run(model, tokens), out)
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_dot_products(monkeypatch) -> None:
+    import specverify.models.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: False)
+    assert runner_module.resolve_dtype("auto", "cpu") == torch.float32
+    assert runner_module.resolve_dtype("auto", "cuda") == torch.bfloat16
+    monkeypatch.setattr(runner_module, "cpu_has_native_bf16", lambda: True)
+    assert runner_module.resolve_dtype("AUTO", "cpu") == torch.bfloat16
+    assert runner_module.resolve_dtype("float32", "cpu") == torch.float32
+    with pytest.raises(ValueError, match="auto"):
+        runner_module.resolve_dtype("int3")
+
+
+def test_a_float32_model_runs_the_int4_kernel_on_bf16_activations() -> None:
+    if not can_quantize_weights(torch.float32, torch.device("cpu")):
+        pytest.skip("no quantized CPU kernels in this PyTorch build")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g)
+    x = torch.randn(3, 128, generator=g)
+    out = QuantizedWeight(w, w, 4, 32).matmul(x)
+    assert out.dtype == torch.float32
+    ref = x @ w.T
+    assert torch.allclose(out, ref, atol=0.15 * ref.abs().max())
