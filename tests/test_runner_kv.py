@@ -151,5 +151,5 @@ def test_two_runners_can_share_one_model(tiny_hf):
     a.truncate(0, 3)
     assert b.cache_length(0) == 9
     if a.packed_weights:
-        with pytest.raises(ValueError, match="packed for bf16"):
+        with pytest.raises(ValueError, match="packed for torch.bfloat16"):
             TorchModelRunner(model, config, dtype="float32")
