@@ -493,3 +493,26 @@ def test_plan_check_adds_up_the_planners_predictions_against_the_measured_steps(
         for name in ("predicted_seconds", "measured_seconds", "expected_tokens"):
             assert getattr(got[kind], name) == pytest.approx(getattr(want[kind], name))
     assert got["speculative"].tokens + got["plain"].tokens == engine.stats.output_tokens
+
+
+def test_the_plans_depth_does_not_cap_drafting(monkeypatch) -> None:
+    """The plan's depth only says whether speculation pays: each request drafts on while the per-row
+    rule says its next slot pays, up to K, and stops where it says no."""
+    from specverify.cost_model import CostModel
+
+    tokens = np.array([1.0, 8.0, 64.0])
+    engine, *_ = make_engine(k=4, cost_model=CostModel(tokens, 1.0 + 0.001 * tokens, tokens, 0.01 * tokens))
+    engine.estimator.n_observed_ = engine.greedy_estimator.n_observed_ = 10**6  # past the warm-up
+    monkeypatch.setattr(engine.planner, "choose_draft_depth", lambda *args, **kwargs: 1)
+    engine.planner.threshold = 0.0  # verify whatever is drafted
+    stop_after = [4, 2]  # request i drafts this many slots (the first stays active longest)
+
+    def should_continue(survival_so_far, depth_done, *args, **kwargs):
+        return np.array([depth_done < stop_after[i] for i in range(len(survival_so_far))])
+
+    monkeypatch.setattr(engine.planner, "should_continue", should_continue)
+    for i in range(2):
+        engine.add_request([i + 1, 2], SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True))
+    engine.step()  # prefill and the first speculative step
+    drafted = [r.metrics.drafted_per_position for r in engine.scheduler.running]
+    assert [len(d) for d in drafted] == [4, 2]

@@ -312,10 +312,12 @@ def test_realised_gain_below_plan_turns_speculation_off_and_decays_back() -> Non
     planner = AdaptivePlanner(cpu_like_cost(), K)
     assert planner.choose_draft_depth(r, p) > 0
     speculative_steps = 0
+    drafts = np.tile(np.cumprod(p), (r, 1))  # every request drafts K with these survivals
     while planner.choose_draft_depth(r, p) > 0 and speculative_steps < 100:
         speculative_steps += 1
-        planned_gain = planner.expected_tokens - r
-        planner.observe_tokens(r + planned_gain / (3.0 * planner.gain_factor))
+        verified = planner.admit(drafts)
+        planned_gain = sum(drafts[i, :n].sum() for i, n in enumerate(verified))
+        planner.observe_tokens(r + planned_gain / 3.0)
     assert 1 <= speculative_steps < 20
     assert planner.gain_factor < 0.8
     # No dead spot: without speculative steps the sums decay and the prior brings it back.
@@ -327,7 +329,8 @@ def test_realised_gain_below_plan_turns_speculation_off_and_decays_back() -> Non
     fresh = AdaptivePlanner(cpu_like_cost(), K)
     for _ in range(20):
         fresh.choose_draft_depth(r, p)
-        fresh.observe_tokens(fresh.expected_tokens)
+        verified = fresh.admit(drafts)
+        fresh.observe_tokens(r + sum(drafts[i, :n].sum() for i, n in enumerate(verified)))
     assert fresh.gain_factor == pytest.approx(1.0, abs=0.05)
     fresh.choose_draft_depth(32, np.full(K, 0.3))  # depth 0
     fresh.observe_tokens(0)

@@ -9,12 +9,17 @@ draft's catch-up (tokens it has not consumed yet: a new prompt, or what it misse
 off; amortised over the steps the requests still have, at most `catchup_horizon`) and prefill (shared by every option). A step's choice
 maximises tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
 
-The drafts' expected gain is scaled by `gain_factor`, the realised over the expected gain of the
-speculative steps the planner chose (decaying sums with a prior; `observe_tokens`): the time side has the
-cost model's online correction, this is the token side's. Per-slot estimates can be calibrated while a
-plan still yields less than its pooled survivals promise (requests capped near max_tokens or ending at
-EOS, drafting stopped early, steps unlike the recent ones). With speculation off the sums decay back to
-the prior, so a low factor does not keep speculation off for good.
+The plan's depth prices whether speculation pays and fixes tau; how deep each request drafts is then
+`should_continue`'s call, up to K. The plan rests on survivals pooled over recent steps, extrapolated past
+where they were drafted with the mean acceptance per position, and so under-rates requests whose drafts
+keep being accepted (survival is correlated along a request); the per-row rule sees each row's own.
+
+The drafts' expected gain is scaled by `gain_factor`, the realised over the expected gain of the drafts
+`admit` verified on the speculative steps the planner chose (their survivals summed; decaying sums with
+a prior; `observe_tokens`): the time side has the cost model's online correction, this is the token
+side's. Calibrated per-slot estimates still promise more than comes where requests end at EOS or are
+capped near max_tokens. With speculation off the sums decay back to the prior, so a low factor does not
+keep speculation off for good.
 
 LOSSLESSNESS (DESIGN §5). Whether slot k of request r is verified may depend on the prefix and on draft
 distributions up to k (hence on s[r, <=k]) and on other requests, but never on the token drafted at k,
@@ -70,8 +75,8 @@ class AdaptivePlanner:
     """Per-step decisions of adaptive verification, driven by a `CostModel`.
 
     Engine protocol per step: `choose_draft_depth(R, expected_p)` (0 = no speculation this step) ->
-    draft, calling `should_continue(s[:, k], k + 1)` after each draft forward -> `admit(s)` -> target
-    forward -> `end_step(s, num_verified)`.
+    draft up to K, calling `should_continue(s[:, k], k + 1)` after each draft forward -> `admit(s)` ->
+    target forward -> `observe_tokens(emitted)` -> `end_step(s, num_verified)`.
 
     Last decisions, for metrics: `depth`, `threshold`, `budget` (slots admitted by the last `admit`),
     `planned_budget` (expected admitted slots when the depth was chosen), `expected_tokens`,
@@ -111,7 +116,7 @@ class AdaptivePlanner:
         self._gain_decay = 0.5 ** (1.0 / gain_half_life_steps)
         self._gain_expected = 0.0
         self._gain_realised = 0.0
-        self._planned_gain = 0.0  # the last plan's draft gain before the factor (what the factor corrects)
+        self._planned_gain = 0.0  # summed survivals of the last admitted drafts (what the factor corrects)
         self.gain_factor = 1.0
         self.value_of_time = 0.0  # tokens/second of the best steady plan (lambda); prices drafting time
         self.expected_p = np.zeros(self.k)
@@ -324,12 +329,11 @@ class AdaptivePlanner:
         self.planned_budget = float(budget[best])
         if best > 0:
             self.threshold = float(thresholds[best])
-            self._planned_gain = (self.expected_tokens - r_count) / self.gain_factor
         return best
 
     def observe_tokens(self, tokens: float) -> None:
-        """Tokens the last `choose_draft_depth` step emitted, if it speculated as planned: updates
-        `gain_factor` (realised over expected draft gain, beyond the one token per request)."""
+        """Tokens the last step emitted, if it speculated as planned (`admit` chose its verified drafts):
+        updates `gain_factor` (realised over expected draft gain, beyond the one token per request)."""
         if self._planned_gain <= 0.0:
             return
         self._gain_expected += self._planned_gain
@@ -364,21 +368,6 @@ class AdaptivePlanner:
     def _speculation_wins(self, rate: np.ndarray) -> bool:
         """Whether some depth's steady rate (tokens/second, depth 0 first) beats plain by `min_gain`."""
         return bool(rate[1:].max() >= rate[0] * (1.0 + self.min_gain))
-
-    def update_threshold(self, num_requests: int, depth: int, context_tokens: int = 0) -> float:
-        """Recompute the admission threshold for a step with a fixed depth (an engine that drafts K
-        without asking `choose_draft_depth`). Uses previous steps only: call it before drafting."""
-        if num_requests > 0 and depth > 0:
-            depth = min(int(depth), self.k)
-            rate, tokens, budget, thresholds, _ = self._plan(
-                int(num_requests), np.array([depth]), self._pooled(self.expected_p), context_tokens
-            )
-            self.threshold = float(thresholds[0])
-            self.expected_rate, self.expected_tokens = float(rate[0]), float(tokens[0])
-            self.value_of_time = self.expected_rate
-            self.planned_budget = float(budget[0])
-            self.depth = depth
-        return self.threshold
 
     def should_continue(
         self,
@@ -432,9 +421,11 @@ class AdaptivePlanner:
             self.budget = 0
             return np.zeros(s.shape[0] if s.ndim >= 1 else 0, dtype=np.int64)
         tau = self.threshold if threshold is None else float(threshold)
-        ok = (s >= tau) & (s > 0.0)  # NaN compares False
-        n = np.cumprod(ok, axis=1).sum(axis=1).astype(np.int64)
+        ok = np.cumprod((s >= tau) & (s > 0.0), axis=1).astype(bool)  # NaN compares False
+        n = ok.sum(axis=1).astype(np.int64)
         self.budget = int(n.sum())
+        if self.num_requests > 0 and self.depth > 0:  # a planned step: its expected draft gain
+            self._planned_gain = float(s[ok].sum())
         return n
 
     def end_step(

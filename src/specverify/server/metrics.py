@@ -50,7 +50,7 @@ class ServerMetrics:
         )
         self.draft_depth = Histogram(
             f"{PREFIX}_draft_depth",
-            "Draft depth chosen per engine step (0: no speculation)",
+            "Drafting bound per engine step (0: no speculation)",
             buckets=_DEPTH_BUCKETS,
             registry=r,
         )
@@ -153,7 +153,9 @@ class EngineCollector(Collector):
             yield _gauge("last_step_seconds", "Wall time of the latest engine step", stats.last_step_seconds)
             yield _gauge("batch_size", "Requests in the latest engine step", stats.last_batch_size)
             yield _gauge(
-                "chosen_draft_depth", "Draft depth chosen for the latest step", stats.last_draft_depth
+                "chosen_draft_depth",
+                "Drafting bound of the latest step (0: plain; a request stops where its next slot does not pay)",
+                stats.last_draft_depth,
             )
             yield _gauge(
                 "chosen_verify_budget", "Draft tokens verified in the latest step", stats.last_verify_budget
