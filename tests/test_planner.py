@@ -313,11 +313,13 @@ def test_realised_gain_below_plan_turns_speculation_off_and_decays_back() -> Non
     assert planner.choose_draft_depth(r, p) > 0
     speculative_steps = 0
     drafts = np.tile(np.cumprod(p), (r, 1))  # every request drafts K with these survivals
+
+    def admitted_gain(planner: AdaptivePlanner) -> float:  # summed survivals of the admitted drafts
+        return sum(drafts[i, :n].sum() for i, n in enumerate(planner.admit(drafts)))
+
     while planner.choose_draft_depth(r, p) > 0 and speculative_steps < 100:
         speculative_steps += 1
-        verified = planner.admit(drafts)
-        planned_gain = sum(drafts[i, :n].sum() for i, n in enumerate(verified))
-        planner.observe_tokens(r + planned_gain / 3.0)
+        planner.observe_tokens(r + admitted_gain(planner) / 3.0)
     assert 1 <= speculative_steps < 20
     assert planner.gain_factor < 0.8
     # No dead spot: without speculative steps the sums decay and the prior brings it back.
@@ -329,8 +331,7 @@ def test_realised_gain_below_plan_turns_speculation_off_and_decays_back() -> Non
     fresh = AdaptivePlanner(cpu_like_cost(), K)
     for _ in range(20):
         fresh.choose_draft_depth(r, p)
-        verified = fresh.admit(drafts)
-        fresh.observe_tokens(r + sum(drafts[i, :n].sum() for i, n in enumerate(verified)))
+        fresh.observe_tokens(r + admitted_gain(fresh))
     assert fresh.gain_factor == pytest.approx(1.0, abs=0.05)
     fresh.choose_draft_depth(32, np.full(K, 0.3))  # depth 0
     fresh.observe_tokens(0)

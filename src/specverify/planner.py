@@ -424,7 +424,7 @@ class AdaptivePlanner:
         ok = np.cumprod((s >= tau) & (s > 0.0), axis=1).astype(bool)  # NaN compares False
         n = ok.sum(axis=1).astype(np.int64)
         self.budget = int(n.sum())
-        if self.num_requests > 0 and self.depth > 0:  # a planned step: its expected draft gain
+        if self.depth > 0:  # a planned step: its expected draft gain
             self._planned_gain = float(s[ok].sum())
         return n
 

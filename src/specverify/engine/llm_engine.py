@@ -559,9 +559,8 @@ class LLMEngine:
                     self._probing, self._probe_rows = True, rows
                     depth = min(_PROBE_DEPTH, k)
         if depth > 0 and not self._probing:
-            # The plan's depth said speculation pays; each request then drafts while the per-row rule
-            # says its next slot pays, up to K. Capped at the plan's depth (from mean acceptance per
-            # position), T=1 at one request ran 0.95x fixed K=5 (0.99x uncapped), greedy 0.99x (1.03x).
+            # The plan said speculation pays; how deep each request drafts is the per-row rule's call (capped
+            # at the plan's depth, T=1 at one request ran 0.95x fixed K=5, 0.99x uncapped).
             depth = k
         self.stats.planning_seconds_total += time.perf_counter() - start
         return depth
