@@ -305,6 +305,21 @@ def test_could_pay_only_where_better_drafts_could_win() -> None:
     assert not low.could_pay(0)
 
 
+def test_plain_steps_revise_a_pessimistic_history() -> None:
+    """One step where no request had anything to draft (a suffix drafter without a match) turns
+    speculation off; plain steps bring no survivals, yet they must let the expected acceptance speak
+    again, or that one step would keep every later step plain."""
+    r, p = 4, np.full(K, 0.9)
+    planner = AdaptivePlanner(cheap_cost(), K)
+    assert planner.choose_draft_depth(r, p) > 0
+    nothing = np.ones((r, K), dtype=bool)
+    planner.end_step(np.zeros((r, K)), np.zeros(r, dtype=np.int64), nothing_to_draft=nothing)
+    assert planner.choose_draft_depth(r, p) == 0
+    assert planner.choose_draft_depth(r, p) == 0  # deciding again learns nothing
+    planner.end_plain_step(r)
+    assert planner.choose_draft_depth(r, p) > 0
+
+
 def test_realised_gain_below_plan_turns_speculation_off_and_decays_back() -> None:
     """Steps that yield a third of the planned draft gain: the factor follows the measured tokens and
     speculation stops at a load where it paid only on paper; after plain steps it is tried again."""

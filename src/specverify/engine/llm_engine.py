@@ -634,6 +634,7 @@ class LLMEngine:
         if self.planner is not None:
             # Plain steps keep their own cost curve fresh (speculation may be off at this load).
             self.planner.cost.observe_plain(sum(map(len, feeds)), done - start)
+            self.planner.end_plain_step(len(running))
         return tokens, self._emitted_logprobs(running, logits, list(range(len(running))), tokens)
 
     def _speculative_step(
