@@ -154,6 +154,15 @@ def run_toy_bench(
             return step()
 
         engine.step = recording_step
+        engine.in_flight = []  # per step, the seq ids the scheduler runs
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            running = schedule()
+            engine.in_flight.append([r.seq_id for r in running])
+            return running
+
+        engine.scheduler.schedule = recording_schedule
         return engine
 
     settings = dict(
@@ -272,7 +281,7 @@ def test_plots_are_written(toy_bench) -> None:
 def test_the_adaptive_estimator_and_calibration_stay_warm_across_points(toy_bench) -> None:
     _, engines, _ = toy_bench
     adaptive = [e for mode, e in engines if mode == "adaptive"]
-    assert len(adaptive) == 4  # warm-up + two rounds at c=1 + one round at c=3
+    assert len(adaptive) == 3  # warm-up + one pool at c=1 + one at c=3
     # The record is shared by the timed rounds (not the warm-up), and the estimator continues.
     assert all(e.calibration is adaptive[1].calibration for e in adaptive[2:])
     assert adaptive[0].calibration is not adaptive[1].calibration
@@ -414,12 +423,12 @@ def test_a_temperature_sweep_tags_every_run_and_interleaves_modes_within_it(two_
     assert [(r["temperature"], r["concurrency"], r["mode"]) for r in results["runs"]] == [
         (t, c, m) for t in (1.0, 0.0) for c in (1, 2) for m in modes
     ]
-    # 2 prompts per point: two rounds of one at c=1, one round of two at c=2.
-    assert [r["rounds"] for r in results["runs"]] == [2, 2, 2, 1, 1, 1] * 2
+    # 2 prompts per point, one pool each.
+    assert [r["rounds"] for r in results["runs"]] == [1] * 12
     assert all(r["num_prompts"] == 2 for r in results["runs"])
-    # One warm-up engine per mode, then one engine per (mode, round), three rounds per temperature.
+    # One warm-up engine per mode, then one engine per (mode, pool), two pools per temperature.
     timed = engines[len(modes) :]
-    assert len(timed) == 2 * 3 * len(modes)
+    assert len(timed) == 2 * 2 * len(modes)
     for i, (_, engine) in enumerate(timed):
         temperature = 1.0 if i < len(timed) // 2 else 0.0
         assert {params.temperature for _, params in engine.requests} == {temperature}
@@ -431,7 +440,7 @@ def test_a_temperature_sweep_tags_every_run_and_interleaves_modes_within_it(two_
         assert sent[0] == sent[1] == sent[2]
     # The adaptive estimator and calibration record carry across temperatures.
     adaptive = [e for mode, e in engines if mode == "adaptive"]
-    assert len(adaptive) == 7  # warm-up + 2 temperatures x 3 rounds
+    assert len(adaptive) == 5  # warm-up + 2 temperatures x 2 pools
     assert all(e.calibration is adaptive[1].calibration for e in adaptive[2:])
     assert adaptive[-1].estimator.state_dict() != adaptive[1].estimator.state_dict()
     on_disk = json.loads((out / "results.json").read_text())
@@ -495,9 +504,9 @@ def test_min_prompts_sets_the_floor_unless_num_prompts_is_given(tmp_path: Path) 
     )
     assert results["config"]["min_prompts"] == 3 and results["config"]["num_prompts"] is None
     for run in results["runs"]:
-        assert run["concurrency"] == 1 and run["num_prompts"] == 3 and run["rounds"] == 3
+        assert run["concurrency"] == 1 and run["num_prompts"] == 3 and run["rounds"] == 1
         assert run["output_tokens"] == 3 * 10 and run["prefill_steps"] == 3  # one after the other
-    timed = engines[2:]  # after the two warm-ups: one engine per (mode, round)
+    timed = engines[2:]  # after the two warm-ups: one engine per mode (one pool)
     sent = {m: [ids for mode, e in timed if mode == m for ids, _ in e.requests] for m in ("none", "fixed")}
     assert sent["none"] == sent["fixed"]
     assert len({tuple(ids) for ids in sent["none"]}) == 3
@@ -511,7 +520,11 @@ def round_robin_bench(tmp_path_factory) -> tuple[dict, list, BenchRunner]:
     # 3 prompts per point: three rounds of one at c=1, then a round of two and one of one at c=2.
     keep: dict = {}
     results, engines = run_toy_bench(
-        tmp_path_factory.mktemp("bench-rounds"), concurrencies=(1, 2), num_prompts=3, keep=keep
+        tmp_path_factory.mktemp("bench-rounds"),
+        concurrencies=(1, 2),
+        num_prompts=3,
+        keep=keep,
+        closed_rounds=True,
     )
     return results, engines, keep["runner"]
 
@@ -570,7 +583,9 @@ def test_round_order_balances_who_steps_first_and_right_after_whom(round_robin_b
 
 def test_within_a_round_the_modes_step_in_turn_and_each_is_timed_alone(tmp_path: Path) -> None:
     keep: dict = {}
-    results, engines = run_toy_bench(tmp_path, concurrencies=(2,), num_prompts=4, keep=keep)
+    results, engines = run_toy_bench(
+        tmp_path, concurrencies=(2,), num_prompts=4, keep=keep, closed_rounds=True
+    )
     timed = [engine for _, engine in engines[3:]]  # after one warm-up engine per mode
     calls = [engine for engine in keep["steps"] if any(engine is t for t in timed)]
     assert len(timed) == 6  # two rounds of two prompts, three modes
@@ -590,6 +605,29 @@ def test_within_a_round_the_modes_step_in_turn_and_each_is_timed_alone(tmp_path:
     for run in results["runs"]:
         assert run["prefill_s"] + run["decode_s"] <= run["wall_s"]
         assert run["step_s"] <= run["wall_s"]
+
+
+def test_a_pool_keeps_concurrency_requests_in_flight_and_refills_as_they_finish(tmp_path: Path) -> None:
+    """The default: each mode's engine holds the point's prompts queued, `concurrency` running at once;
+    a request that finishes early (speculation moved it ahead) makes room for the next one at once,
+    where a closed round would run on with fewer rows until its slowest request is done."""
+    results, engines = run_toy_bench(
+        tmp_path, modes=("none", "fixed"), concurrencies=(2,), num_prompts=4, max_tokens=8
+    )
+    timed = engines[2:]  # after one warm-up engine per mode
+    assert sorted(mode for mode, _ in timed) == ["fixed", "none"]  # one pool per mode
+    sent = {mode: [(ids, p.seed) for ids, p in e.requests] for mode, e in timed}
+    assert sent["none"] == sent["fixed"] and len({seed for _, seed in sent["none"]}) == 4
+    for mode, engine in timed:
+        assert engine.config.max_num_seqs == 2
+        arrival = {seq: i for i, seq in enumerate(sorted({q for f in engine.in_flight for q in f}))}
+        flights = [[arrival[q] for q in f] for f in engine.in_flight]  # who ran, by arrival, per step
+        assert len(arrival) == 4 and max(map(len, flights)) == 2
+        if mode == "fixed":  # speculation desynchronised them: a queued one joined a running one
+            blocks = [{0, 1}, {2, 3}]  # what closed rounds of two would allow
+            assert any(not any(f <= b for b in blocks) for f in map(set, flights))
+    for run in results["runs"]:
+        assert run["rounds"] == 1 and run["output_tokens"] == 4 * 8
 
 
 def test_every_mode_gets_the_same_prompts_and_seeds_in_every_round(round_robin_bench) -> None:
@@ -674,10 +712,12 @@ def test_estimators_and_calibration_carry_across_rounds(round_robin_bench) -> No
 def test_rounds_raise_the_prompts_per_point() -> None:
     config = BenchConfig(concurrencies=[1, 4], rounds=3)
     assert [config.prompts_for(c) for c in (1, 4)] == [4, 12]  # min_prompts 4 still holds at c=1
-    assert [config.rounds_for(c) for c in (1, 4)] == [4, 3]
-    explicit = BenchConfig(num_prompts=5, rounds=2)
+    assert [config.rounds_for(c) for c in (1, 4)] == [1, 1]  # one pool each
+    closed = BenchConfig(concurrencies=[1, 4], rounds=3, closed_rounds=True)
+    assert [closed.rounds_for(c) for c in (1, 4)] == [4, 3]
+    explicit = BenchConfig(num_prompts=5, rounds=2, closed_rounds=True)
     assert explicit.prompts_for(1) == 5 and explicit.prompts_for(4) == 8 and explicit.rounds_for(4) == 2
-    assert BenchConfig(num_prompts=5).rounds_for(3) == 2  # 3 + 2: the last round is smaller
+    assert BenchConfig(num_prompts=5, closed_rounds=True).rounds_for(3) == 2  # the last round is smaller
     assert BenchConfig().rounds == 1 and BenchConfig().rounds_for(16) == 1
     with pytest.raises(ConfigError, match="rounds"):
         BenchConfig(rounds=0)
@@ -793,7 +833,8 @@ def test_cli_end_to_end_on_toy_models(tmp_path: Path, monkeypatch, capsys) -> No
     assert results["config"]["temperature"] == 1.0 and results["config"]["min_prompts"] == 4
     assert [r["num_prompts"] for r in results["runs"]] == [4] * 6
     assert results["config"]["rounds"] == 1
-    assert [r["rounds"] for r in results["runs"]] == [4] * 3 + [2] * 3  # rounds of c prompts
+    assert results["config"]["closed_rounds"] is False
+    assert [r["rounds"] for r in results["runs"]] == [1] * 6  # one pool per point
     assert (tmp_path / "profiles.json").exists()
     printed = capsys.readouterr().out
     assert "adaptive" in printed and "tok/s" in printed
@@ -811,12 +852,12 @@ def test_cli_quick_sweeps_temperatures_with_its_own_min_prompts_and_rounds(
     args = bench_parser().parse_args(
         ["bench", "--quick", "--modes", "none,fixed", "--concurrency", "1", "--temperature", "1,0",
          "--max-tokens", "4", "--output-dir", str(out), "--no-progress", "--warmup-tokens", "0",
-         "--speculative-config", '{"num_speculative_tokens": 2}', "--rounds", "3"]
+         "--speculative-config", '{"num_speculative_tokens": 2}', "--rounds", "3", "--closed-rounds"]
     )  # fmt: skip
     assert args.func(args) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["temperature"] == [1.0, 0.0] and results["config"]["min_prompts"] == 2
-    assert results["config"]["rounds"] == 3
+    assert results["config"]["rounds"] == 3 and results["config"]["closed_rounds"] is True
     # --rounds 3 at c=1 asks for 3 prompts, over the quick floor of 2.
     assert [(r["temperature"], r["mode"], r["num_prompts"], r["rounds"]) for r in results["runs"]] == [
         (1.0, "none", 3, 3),

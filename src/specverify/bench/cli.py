@@ -127,9 +127,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--rounds",
         type=_positive_int,
         default=1,
-        help="at least N rounds per point: the modes take turns round by round, each round "
-        "`concurrency` prompts, so more rounds mean more side-by-side repetitions at a high "
-        "concurrency; each point gets at least concurrency x N prompts (default 1)",
+        help="each point gets at least concurrency x N prompts: N requests per client in the pool "
+        "(or N closed rounds), more side-by-side repetitions at a high concurrency (default 1)",
+    )
+    p.add_argument(
+        "--closed-rounds",
+        action="store_true",
+        help="run each point in closed batches of `concurrency` prompts, each lasting as long as its "
+        "slowest request, instead of one pool of all its prompts with `concurrency` in flight "
+        "(a finished request's place going to the next, as under steady clients; the default)",
     )
     p.add_argument(
         "--max-tokens",
@@ -240,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts if args.num_prompts is not None else preset["num_prompts"],
         min_prompts=args.min_prompts if args.min_prompts is not None else preset["min_prompts"],
         rounds=args.rounds,
+        closed_rounds=args.closed_rounds,
         max_tokens=args.max_tokens or preset["max_tokens"],
         # One value stays a float in results.json; several become the list (BenchConfig decides).
         temperature=list(args.temperature),

@@ -9,7 +9,10 @@ results.json schema (stable: fields may be added, never renamed or removed)
     "num_prompts": int | null,        # prompts per point, never fewer than concurrency * rounds
                                       # (null: max(concurrency * rounds, min_prompts))
     "min_prompts": int,               # the floor used when num_prompts is null (added)
-    "rounds": int,                    # (added) at least this many rounds per point (--rounds; 1)
+    "rounds": int,                    # (added) at least concurrency * rounds prompts per point
+                                      # (--rounds; 1)
+    "closed_rounds": bool,            # (added) closed rounds of `concurrency` prompts instead of one
+                                      # pool per point (absent: closed rounds, as files before it ran)
     "max_tokens": int,
     "temperature": float | [float, ...],  # a float when one temperature ran; the list, in sweep order,
                                       # when several did (0: greedy)
@@ -26,12 +29,13 @@ results.json schema (stable: fields may be added, never renamed or removed)
   },
   "runs": [                           # one per mode at each (temperature, concurrency) point: for each
                                       # temperature, for each concurrency, every mode in config order.
-                                      # Within a point the modes ran side by side: the prompts split
-                                      # into rounds of `concurrency` (the last may be smaller); in a
-                                      # round every mode's engine steps in turn, one step each, the
-                                      # order changing each round across the whole sweep (forward and
-                                      # reverse, rotated; BenchRunner.round_order). A run's
-                                      # counts and seconds are sums over its rounds.
+                                      # Within a point the modes ran side by side: the prompts in
+                                      # one pool, `concurrency` in flight (closed_rounds: split into
+                                      # rounds of `concurrency`, the last may be smaller); in a
+                                      # pool or round every mode's engine steps in turn, one step
+                                      # each, the order changing each round across the whole sweep
+                                      # (forward and reverse, rotated; BenchRunner.round_order). A
+                                      # run's counts and seconds are sums over its rounds.
     {
       "mode": "none" | "fixed" | "adaptive",
       "concurrency": int,             # max_num_seqs: requests in flight
@@ -48,9 +52,10 @@ results.json schema (stable: fields may be added, never renamed or removed)
       "steps": int,                   # engine steps (one target forward each)
       # added fields:
       "num_prompts": int,             # the point's prompts (the same ones, same seeds, in every mode)
-      "rounds": int,                  # (added) rounds the run's figures sum: ceil(num_prompts /
-                                      # concurrency); absent in older files (each mode ran
-                                      # all its prompts in one go, modes one after another)
+      "rounds": int,                  # (added) rounds the run's figures sum: 1 for a pool,
+                                      # ceil(num_prompts / concurrency) for closed rounds; absent in
+                                      # older files (each mode ran all its prompts in one go, modes
+                                      # one after another)
       "request_steps": int,           # sum over steps of requests advanced
       "plan_check": {...} | null,     # (added; adaptive only) per "speculative" / "plain": the steps
                                       # the planner chose (warm-up and probes excluded) and its

@@ -1,15 +1,20 @@
 """Run no speculation / fixed-K / adaptive verification side by side over a concurrency sweep.
 
 All modes share ONE set of loaded models. The sweep goes for each temperature, for each concurrency (a
-point), and within a point the modes run side by side at two grains. The point's prompts are split into
-rounds of `concurrency` prompts (the last may be smaller); in a round every mode has its own engine with
-the round's prompts all queued, and the engines take turns STEP BY STEP (one step of each mode that
-still has work, then the next), so a slow spell of the machine (its speed drifts by 15-25 % over a
+point), and within a point the modes run side by side at two grains. By default the point's prompts
+form one pool: every mode has its own engine with all of them queued and `concurrency` running at once,
+a finished request's place going to the next queued one, as a server under `concurrency` steady clients
+(and as the llama.cpp peer tool measures). With `closed_rounds` they are split into rounds of
+`concurrency` prompts instead (the last may be smaller), each a closed batch that lasts as long as its
+slowest request: where speculation speeds requests unevenly, the fast ones leave and the round's tail
+runs at fewer rows (suffix drafter, `mixed`, T=1, c4, 16 prompts: adaptive 0.97x plain in rounds, 1.23x
+in a pool). Each pool or round is run by the engines taking turns STEP BY STEP (one step of each mode
+that still has work, then the next), so a slow spell of the machine (its speed drifts by 15-25 % over a
 minute or two, and identical work measured back to back differs by up to a quarter) hits every mode
 within the same second. A mode's time is the sum of its own engine calls (queuing the prompts and every
-step), never another mode's. The mode order changes every round and continues across points
-(none,fixed,adaptive; adaptive,fixed,none; fixed,adaptive,none; fixed,none,adaptive; ...; see
-`round_order`), so no mode always steps first or always right after the same other mode.
+step), never another mode's. The mode order changes every round (a pool is one round) and continues
+across points (none,fixed,adaptive; adaptive,fixed,none; fixed,adaptive,none; fixed,none,adaptive; ...;
+see `round_order`), so no mode always steps first or always right after the same other mode.
 
 Every mode gets the same prompts with the same per-prompt seeds (seed by the prompt's index in the
 point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and every
@@ -66,9 +71,11 @@ class BenchConfig:
     kv_cache_memory: float | None = None  # GiB per engine (EngineConfig.kv_cache_memory); None: default
     # Without num_prompts, a point gets at least this many prompts (one prompt alone is too noisy).
     min_prompts: int = 4
-    # At least this many rounds of `concurrency` prompts per point: more side-by-side repetitions at a
-    # high concurrency, where the prompt floor alone gives one round.
+    # At least `concurrency * rounds` prompts per point: at a high concurrency, where the prompt floor
+    # alone gives each client one request, more requests per client (or more closed rounds).
     rounds: int = 1
+    # Closed batches of `concurrency` prompts per point instead of one pool of them all (see above).
+    closed_rounds: bool = False
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -113,8 +120,9 @@ class BenchConfig:
         return max(self.min_prompts, floor)
 
     def rounds_for(self, concurrency: int) -> int:
-        """Rounds per point at this concurrency (the last one may hold fewer than `concurrency`)."""
-        return -(-self.prompts_for(concurrency) // concurrency)
+        """Rounds per point at this concurrency: one pool, or closed rounds (the last one may hold fewer
+        than `concurrency`)."""
+        return -(-self.prompts_for(concurrency) // concurrency) if self.closed_rounds else 1
 
 
 @dataclass
@@ -147,7 +155,7 @@ class RunResult:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_tokens_per_s: float | None = None
-    rounds: int = 1  # rounds of `concurrency` prompts this run's figures sum
+    rounds: int = 1  # rounds this run's figures sum (1: one pool)
     # Adaptive only: the planner's predicted vs measured seconds and tokens of the steps it chose,
     # {"speculative" | "plain": {steps, predicted_seconds, measured_seconds, expected_tokens, tokens}}.
     plan_check: dict[str, dict[str, float]] | None = None
@@ -444,12 +452,13 @@ class BenchRunner:
         bar: Any = None,
         temperature: float | None = None,
     ) -> list[RunResult]:
-        """Every mode over `prompts` in rounds of `concurrency` prompts, the modes stepping in turn; one
-        result per mode (in the configured order), each summing its rounds (temperature None: the first
-        configured)."""
+        """Every mode over `prompts`, `concurrency` at a time, in one pool or in closed rounds of
+        `concurrency`, the modes stepping in turn; one result per mode (in the configured order), each
+        summing its rounds (temperature None: the first configured)."""
         if temperature is None:
             temperature = self.config.temperatures[0]
-        chunks = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+        size = concurrency if self.config.closed_rounds else max(len(prompts), 1)
+        chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
         done: dict[str, list[_Round]] = {mode: [] for mode in self.config.modes}
         for r, chunk in enumerate(chunks):
             order = self.round_order(self._rounds_run)
@@ -457,7 +466,7 @@ class BenchRunner:
             if bar is not None:
                 bar.set_description(f"  T={temperature:g} c={concurrency} round {r + 1}/{len(chunks)}")
             self.schedule.extend((float(temperature), concurrency, r, mode) for mode in order)
-            shares = self._run_round(order, concurrency, chunk, r * concurrency, temperature, bar)
+            shares = self._run_round(order, concurrency, chunk, r * size, temperature, bar)
             for mode in order:
                 done[mode].append(shares[mode])
         return [
