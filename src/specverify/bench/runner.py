@@ -464,7 +464,8 @@ class BenchRunner:
             order = self.round_order(self._rounds_run)
             self._rounds_run += 1
             if bar is not None:
-                bar.set_description(f"  T={temperature:g} c={concurrency} round {r + 1}/{len(chunks)}")
+                part = f"round {r + 1}/{len(chunks)}" if self.config.closed_rounds else "pool"
+                bar.set_description(f"  T={temperature:g} c={concurrency} {part}")
             self.schedule.extend((float(temperature), concurrency, r, mode) for mode in order)
             shares = self._run_round(order, concurrency, chunk, r * size, temperature, bar)
             for mode in order:
