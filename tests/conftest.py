@@ -97,9 +97,11 @@ def write_tiny_gguf(
     path: Path,
     architecture: str | None = None,
     omit: tuple[str, ...] = (),
+    q4k: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write `model` (a tiny transformers Llama/Qwen2) as an F32 GGUF with llama.cpp's tensor names and,
-    for llama, its Q/K permutation. `architecture` overrides general.architecture; `omit` drops tensors."""
+    for llama, its Q/K permutation. `architecture` overrides general.architecture; `omit` drops tensors;
+    `q4k` gives raw Q4_K blocks ([rows, row length / 256 * 144] bytes) for some tensors instead."""
     import gguf
 
     cfg = model.config
@@ -149,6 +151,9 @@ def write_tiny_gguf(
         else:
             gguf_name = names[key]
         if gguf_name in omit:
+            continue
+        if q4k and gguf_name in q4k:
+            writer.add_tensor(gguf_name, q4k[gguf_name], raw_dtype=gguf.GGMLQuantizationType.Q4_K)
             continue
         array = tensor.detach().float().numpy().copy()
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,17 +43,33 @@ def load_models(
     progress: bool = True,
     draft_vocab_size: int | None = None,
     draft_quantization: str | None = None,
+    target_int4_rows: int | None = None,
 ) -> LoadedModels:
     """Load target (and draft, when speculating) runners plus the target's tokenizer; None = default pair.
     `draft_vocab_size` (None / 0: all): the draft's logits cover only that many most frequent token ids
     (see `draft_vocab.py`); `draft_quantization` ("int4", "int8"): the draft's small-batch matmuls run
-    on quantized weights (see `models/quant.py`)."""
+    on quantized weights (see `models/quant.py`). `target_int4_rows` (None: the environment's
+    SPECVERIFY_TARGET_INT4_ROWS, else 4; 0: never): target forwards over at most that many rows run the
+    GGUF file's own Q4_K weights through the int4 kernel (see `LlamaModel.use_int4_groups`)."""
     from specverify.models.loader import load_runner, model_name
 
+    if target_int4_rows is None:
+        raw = os.environ.get("SPECVERIFY_TARGET_INT4_ROWS", str(_QUANTIZED_ROWS))
+        if not raw.isdigit():
+            raise ConfigError(f"SPECVERIFY_TARGET_INT4_ROWS must be a row count >= 0 (0: never), got {raw!r}")
+        target_int4_rows = int(raw)
     target_path = resolve_model_path(model, "target")
     target, tokenizer = load_runner(
-        str(target_path), dtype=dtype, device=device, max_model_len=max_model_len, progress=progress
+        str(target_path),
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        progress=progress,
+        int4_rows=target_int4_rows,
     )
+    target_name = model_name(str(target_path))
+    if target.model.int4_weights():
+        target_name += f" (Q4_K int4 <= {target_int4_rows} rows)"  # keys cached cost profiles apart
     draft = draft_name = None
     if speculative:
         draft_path = resolve_model_path(draft_model, "draft")
@@ -67,12 +84,13 @@ def load_models(
         if draft_vocab_size and draft_vocab_size < draft.vocab_size:
             restrict_draft_vocabulary(draft, draft_tokenizer, draft_vocab_size, progress)
             draft_name += f" (draft vocab {draft_vocab_size})"  # also keys cached cost profiles apart
-    return LoadedModels(target, tokenizer, draft, model_name(str(target_path)), draft_name)
+    return LoadedModels(target, tokenizer, draft, target_name, draft_name)
 
 
-# Draft forwards over at most this many rows use the quantized weights: on a 2-core AVX512 CPU int4
-# (group 32) ran a whole 0.5B draft forward 2.0-2.2x faster than packed bf16 at 1-2 rows, 1.45x at 3,
-# 1.2x at 4, and lost from 5 rows on.
+# Forwards over at most this many rows use the int4 weights: on a 2-core AVX512 CPU int4 (group 32) ran
+# a whole 0.5B draft forward 2.0-2.2x faster than packed bf16 at 1-2 rows, 1.45x at 3, 1.2x at 4, and
+# lost from 5 rows on; the 1.5B target's (its Q4_K weights as stored, the rest bf16) on a 2-core
+# AVX512-BF16 EPYC 1.70x / 1.61x / 1.27x / 1.24x at 1-4 rows, 0.75x at 5.
 _QUANTIZED_ROWS = 4
 
 

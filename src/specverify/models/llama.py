@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model_config import ModelConfig
-from .quant import QuantizedWeight, quantizable
+from .quant import Int4Groups, QuantizedWeight, quantizable
 
 # KV caches grow in blocks of this many positions (copying the cache each time: one copy per 256 decoded
 # tokens costs well under 1 % of decoding; doubling would leave up to half of a cache unused and uncounted).
@@ -308,6 +308,39 @@ class LlamaModel(nn.Module):
             if isinstance(self.lm_head, nn.Parameter):
                 del self.lm_head
             self.lm_head = head
+
+    def int4_weights(self) -> int:
+        """How many layer matmul weights have an int4 copy."""
+        attrs = ("wqkv", "wo", "w_gate_up", "w_down")
+        return sum(isinstance(getattr(layer, a), QuantizedWeight) for layer in self.layers for a in attrs)
+
+    def use_int4_groups(self, groups: dict[str, Int4Groups], max_rows: int) -> int:
+        """Give each matmul weight whose every part (`layers.{i}.q`, ... as `from_weights` names them) has
+        its checkpoint's own int4 codes in `groups` an int4 copy built from those codes (see
+        `QuantizedWeight`), used by forwards over at most `max_rows` rows. The codes are the checkpoint's
+        (Q4_K: 32-value groups), not a re-quantization: only each group's scale and offset are rounded,
+        to bf16, where the dense path rounds each weight to bf16. Call before packing. Returns how many
+        weights took an int4 copy."""
+        fused = {"wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"), "w_down": ("down",)}
+        done = 0
+        for i, layer in enumerate(self.layers):
+            for attr, parts in fused.items():
+                names = [f"layers.{i}.{p}" for p in parts]
+                weight = getattr(layer, attr)
+                if not all(n in groups for n in names) or not isinstance(weight, torch.Tensor):
+                    continue
+                cat = Int4Groups.cat([groups[n] for n in names])
+                if not quantizable(weight.shape, 4, 32) or tuple(cat.codes.shape) != tuple(weight.shape):
+                    continue
+                delattr(layer, attr)  # unregister the Parameter so a plain attribute can take its place
+                setattr(layer, attr, QuantizedWeight(weight, weight.detach(), 4, 32, max_rows, groups=cat))
+                done += 1
+        if self.lm_head is not None and "lm_head" in groups and isinstance(self.lm_head, torch.Tensor):
+            head = self.lm_head
+            del self.lm_head
+            self.lm_head = QuantizedWeight(head, head.detach(), 4, 32, max_rows, groups=groups["lm_head"])
+            done += 1
+        return done
 
     # ------------------------------------------------------------------ forward
     def forward(

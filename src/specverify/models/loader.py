@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from .llama import LlamaModel, weight_shapes
 from .model_config import ModelConfig, ModelConfigError
+from .quant import Int4Groups
 from .runner import TorchModelRunner, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -198,6 +199,46 @@ class GGUFFile:
             out[r : r + step] = fn(raw[r : r + step]).reshape(-1, t.shape[-1])
         return out.reshape(t.shape)
 
+    def q4k_groups(self, name: str, data: np.ndarray) -> Int4Groups | None:
+        """Tensor `name`'s Q4_K codes with each 32-value group's scale and low end, exactly as stored
+        (w = low + code * scale, computed in float32 as gguf dequantises), in HF shape; None for
+        another type, or where gguf's own dequantisation of the first rows disagrees (a layout this
+        reading does not know)."""
+        import gguf.quants as gq
+
+        t = self.tensors[name]
+        if t.qtype.name != "Q4_K" or len(t.shape) != 2 or not hasattr(gq.Q4_K, "get_scale_min"):
+            return None
+        rows, cols = t.shape
+        blocks = data[t.offset : t.offset + t.nbytes].reshape(-1, 144)  # 256 values per block
+        d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+        sc, mn = gq.Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = (d * sc.astype(np.float32)).reshape(rows, cols // 32)
+        low = -(dmin * mn.astype(np.float32)).reshape(rows, cols // 32)
+        # 32 bytes hold two sub-blocks: the low nibbles the first, the high nibbles the second.
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & np.uint8(0x0F)).reshape(rows, cols)
+        check = min(rows, 16)
+        rebuilt = (
+            low[:check, :, None] + codes[:check].reshape(check, -1, 32) * scale[:check, :, None]
+        ).reshape(check, cols)
+        if not np.array_equal(rebuilt, self.dequantize_rows(name, data, check)):
+            logger.warning(
+                "%s: Q4_K codes do not reproduce gguf's dequantisation; using the dense path", name
+            )
+            return None
+        return Int4Groups(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low))
+
+    def dequantize_rows(self, name: str, data: np.ndarray, rows: int) -> np.ndarray:
+        """Float32 [rows, row length]: the first `rows` rows of tensor `name`."""
+        import gguf.quants as gq
+
+        t = self.tensors[name]
+        per_row = t.nbytes // int(np.prod(t.shape[:-1], dtype=np.int64))
+        raw = data[t.offset : t.offset + rows * per_row].reshape(rows, per_row)
+        return gq.dequantize(raw, t.qtype).reshape(rows, t.shape[-1])
+
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
@@ -255,8 +296,14 @@ def _gguf_config(gf: GGUFFile) -> ModelConfig:
 
 
 def _load_gguf_weights(
-    gf: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device, progress: bool
+    gf: GGUFFile,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool,
+    int4: dict[str, Int4Groups] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The dense weights by canonical name; with `int4`, also fills it with the Q4_K tensors' codes."""
     expected = weight_shapes(config)
     wanted: dict[str, str] = {}  # canonical -> gguf name
     for name in gf.tensors:
@@ -295,6 +342,17 @@ def _load_gguf_weights(
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         weights[canonical] = tensor if canonical == "rope_freqs" else tensor.to(device=device, dtype=dtype)
         del array, tensor
+        groups = gf.q4k_groups(name, data) if int4 is not None and canonical in expected else None
+        if groups is not None:
+            if permuted and canonical.rsplit(".", 1)[-1] in ("q", "k"):
+                heads = config.num_heads if canonical.endswith("q") else config.num_kv_heads
+                groups = Int4Groups(
+                    *(
+                        torch.from_numpy(_unpermute_rows(g.numpy(), heads).copy())
+                        for g in vars(groups).values()
+                    )
+                )
+            int4[canonical] = groups
     return weights
 
 
@@ -492,15 +550,27 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    int4_rows: int = 0,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Build the `LlamaModel` (weights in `dtype` on `device`; "auto": see `resolve_dtype`) and its config."""
+    """Build the `LlamaModel` (weights in `dtype` on `device`; "auto": see `resolve_dtype`) and its config.
+    `int4_rows` > 0: a GGUF file's Q4_K weights also keep their codes for the CPU int4 kernel, used by
+    forwards over at most that many rows (see `LlamaModel.use_int4_groups`; bf16 on the CPU only)."""
+    from .quant import can_quantize_weights
+
     torch_dtype = resolve_dtype(dtype, device)
     torch_device = torch.device(device)
     p, kind = _resolve(path)
+    int4: dict[str, Int4Groups] | None = None
     if kind == "gguf":
         gf = GGUFFile(p)
         config = _gguf_config(gf)
-        weights = _load_gguf_weights(gf, config, torch_dtype, torch_device, progress)
+        if (
+            int4_rows > 0
+            and torch_dtype == torch.bfloat16
+            and can_quantize_weights(torch_dtype, torch_device)
+        ):
+            int4 = {}
+        weights = _load_gguf_weights(gf, config, torch_dtype, torch_device, progress, int4)
     else:
         config = _hf_config(p)
         weights = _load_hf_weights(p, config, torch_dtype, torch_device, progress)
@@ -508,6 +578,8 @@ def load_model(
         model = LlamaModel.from_weights(config, weights, dtype=torch_dtype, device=torch_device, consume=True)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{p}: {e}") from e
+    if int4:
+        model.use_int4_groups(int4, int4_rows)
     return model, config
 
 
@@ -527,12 +599,13 @@ def load_runner(
     with_tokenizer: bool = True,
     progress: bool = True,
     pack_weights: bool | None = None,
+    int4_rows: int = 0,
 ) -> tuple[TorchModelRunner, Any]:
     """Load a `.gguf` file or HF directory: `(runner, tokenizer)`. The tokenizer is None when
     `with_tokenizer` is false (e.g. a draft sharing the target's tokenizer) or the directory has none.
     `pack_weights`: see `TorchModelRunner` (None: oneDNN-packed weights on the CPU when available).
-    Raises `ModelLoadError` with what is wrong and what to do."""
-    model, config = load_model(path, dtype=dtype, device=device, progress=progress)
+    `int4_rows`: see `load_model`. Raises `ModelLoadError` with what is wrong and what to do."""
+    model, config = load_model(path, dtype=dtype, device=device, progress=progress, int4_rows=int4_rows)
     try:
         runner = TorchModelRunner(
             model,

@@ -9,6 +9,7 @@ slightly, never the output: verification against the target stays lossless.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,29 @@ if TYPE_CHECKING:
 
 # The CPU int4 kernel's limits: N a multiple of 16, K a multiple of the group size, these group sizes.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass
+class Int4Groups:
+    """A weight [N, K] as 4-bit codes: w[n, i] = low[n, i // G] + codes[n, i] * scale[n, i // G]."""
+
+    codes: torch.Tensor  # [N, K] integers in 0..15
+    scale: torch.Tensor  # [N, K // G]
+    low: torch.Tensor  # [N, K // G]
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        """Row-wise concatenation (the fused q/k/v and gate/up weights)."""
+        return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "low")))
+
+
+def _min_max_groups(w: torch.Tensor, group_size: int) -> Int4Groups:
+    n, k = w.shape
+    g = w.view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = (hi - lo).clamp(min=1e-12) / 15
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).view(n, k)
+    return Int4Groups(q, scale, lo)
 
 
 class QuantizedWeight:
@@ -32,14 +56,17 @@ class QuantizedWeight:
         bits: int = 4,
         group_size: int = 32,
         max_rows: int = 4,
+        groups: Int4Groups | None = None,
     ) -> None:
-        if not quantizable(weight.shape, bits, group_size):
+        """`groups`: the int4 codes and each group's scale and low end as the checkpoint stores them
+        (`weight` is then only read for its shape); None: min-max quantization of `weight`."""
+        if not quantizable(weight.shape, bits, group_size) or (groups is not None and bits != 4):
             raise ValueError(
                 f"cannot quantize a weight of shape {tuple(weight.shape)} to {bits} bits, g{group_size}"
             )
         self.shape, self.bits, self.group_size, self.max_rows = weight.shape, bits, group_size, max_rows
         self.dense = dense
-        w = weight.detach().float()
+        w = weight.detach().float() if groups is None else None
         # The kernels want scales in the activations' dtype, and bf16 activations: with float32 ones
         # the int4 kernel falls back to scalar code (26x slower at one row on an AVX2 CPU).
         dtype = torch.bfloat16
@@ -48,11 +75,9 @@ class QuantizedWeight:
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(dtype)
         else:
-            n, k = w.shape
-            g = w.view(n, k // group_size, group_size)
-            lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-            scale = (hi - lo).clamp(min=1e-12) / 15
-            q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+            if groups is None:
+                groups = _min_max_groups(w, group_size)
+            q, scale, lo = groups.codes.to(torch.int32), groups.scale.float(), groups.low.float()
             self.qweight = torch._convert_weight_to_int4pack_for_cpu(
                 q, 8
             )  # innerKTiles: no effect on CPU (1-8 agree)
