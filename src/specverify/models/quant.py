@@ -4,7 +4,8 @@ At the few rows of a draft step a matmul is bound by reading the weight from mem
 (a quarter of bf16's bytes) run ~2x faster there; at more rows the int4 kernel's compute catches up and
 oneDNN's packed GEMM wins. A `QuantizedWeight` therefore keeps both copies and picks by row count
 (`linear` in `llama.py` does the dispatch). Weight-only quantization changes the draft's distribution
-slightly, never the output: verification against the target stays lossless.
+slightly, never the output: verification against the target stays lossless. A target takes only its
+checkpoint's own 4-bit codes (`Int4Groups` from a GGUF file's Q4_K tensors), never a re-quantization.
 """
 
 from __future__ import annotations
