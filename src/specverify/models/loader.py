@@ -177,16 +177,18 @@ class GGUFFile:
             shape = tuple(int(d) for d in reversed(dims))
             self.tensors[name] = GGUFTensor(name, shape, qtype, start, nbytes)
 
-    def dequantize(self, name: str, data: np.ndarray) -> np.ndarray:
-        """Float32 array of tensor `name` in HF shape; `data` is the whole file as a uint8 memmap."""
+    def dequantize(self, name: str, data: np.ndarray, rows: int | None = None) -> np.ndarray:
+        """Float32 array of tensor `name` in HF shape; `data` is the whole file as a uint8 memmap.
+        `rows`: only the first that many rows (of a 2-D tensor), as [rows, row length]."""
         import gguf.quants as gq
 
         t = self.tensors[name]
-        raw = data[t.offset : t.offset + t.nbytes]
-        rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
-        raw = raw.reshape(rows, -1)
+        total = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+        shape = t.shape if rows is None else (rows, t.shape[-1])
+        rows = total if rows is None else rows
+        raw = data[t.offset : t.offset + t.nbytes // total * rows].reshape(rows, -1)
         if t.qtype.name == "F32":
-            return np.array(raw.view(np.float32).reshape(t.shape))  # copy out of the memmap
+            return np.array(raw.view(np.float32).reshape(shape))  # copy out of the memmap
         # gguf.quants.dequantize splits its input into 16-row groups (Python overhead per group); its
         # per-type `dequantize_rows` is the same vectorised code without the grouping, ~1.7x faster here.
         # Chunks of ~512k values keep its float32 temporaries cache-sized and memory bounded.
@@ -197,7 +199,7 @@ class GGUFFile:
         step = max(1, (1 << 19) // max(1, t.shape[-1]))
         for r in range(0, rows, step):
             out[r : r + step] = fn(raw[r : r + step]).reshape(-1, t.shape[-1])
-        return out.reshape(t.shape)
+        return out.reshape(shape)
 
     def q4k_groups(self, name: str, data: np.ndarray) -> Int4Groups | None:
         """Tensor `name`'s Q4_K codes with each 32-value group's scale and low end, exactly as stored
@@ -223,21 +225,12 @@ class GGUFFile:
         rebuilt = (
             low[:check, :, None] + codes[:check].reshape(check, -1, 32) * scale[:check, :, None]
         ).reshape(check, cols)
-        if not np.array_equal(rebuilt, self.dequantize_rows(name, data, check)):
+        if not np.array_equal(rebuilt, self.dequantize(name, data, rows=check)):
             logger.warning(
                 "%s: Q4_K codes do not reproduce gguf's dequantisation; using the dense path", name
             )
             return None
         return Int4Groups(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low))
-
-    def dequantize_rows(self, name: str, data: np.ndarray, rows: int) -> np.ndarray:
-        """Float32 [rows, row length]: the first `rows` rows of tensor `name`."""
-        import gguf.quants as gq
-
-        t = self.tensors[name]
-        per_row = t.nbytes // int(np.prod(t.shape[:-1], dtype=np.int64))
-        raw = data[t.offset : t.offset + rows * per_row].reshape(rows, per_row)
-        return gq.dequantize(raw, t.qtype).reshape(rows, t.shape[-1])
 
 
 _GGUF_LAYER_NAMES = {
