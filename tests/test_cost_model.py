@@ -286,9 +286,11 @@ class SleepyRunner:
         self.fixed, self.per_token = fixed, per_token
         self.caches: dict[int, int] = {}
         self.calls = 0
+        self.layouts: set[tuple[int, ...]] = set()  # tokens per sequence of each forward
 
     def forward(self, seq_ids, tokens, num_logits):
         self.calls += 1
+        self.layouts.add(tuple(len(t) for t in tokens))
         n = sum(len(t) for t in tokens)
         for sid, t in zip(seq_ids, tokens, strict=True):
             assert sid <= RESERVED_SEQ_ID_BASE  # dummy ids never collide with the engine's
@@ -327,6 +329,21 @@ def test_profile_recovers_the_slope_and_cleans_up() -> None:
     assert np.polyfit(d["tokens"], d["seconds"], 1)[0] == pytest.approx(0.0003, rel=0.25)
     cost = CostModel.from_profile(json.loads(json.dumps(profile)))
     assert cost.target_time(64) > cost.target_time(1)
+
+
+def test_profile_lays_target_tokens_out_like_verification() -> None:
+    """K + 1 tokens to a request: one request verifying 5 drafts is a 6-token forward over one sequence,
+    and that is what the profile must time (not six one-token sequences)."""
+    kwargs = dict(token_counts=(1, 6, 12, 48, 64), batch_sizes=(), repeats=1, context=3, progress=False)
+    target = SleepyRunner(0.0, 0.0)
+    profile = profile_runners(target, None, tokens_per_seq=6, max_seqs=8, **kwargs)
+    assert profile["tokens_per_seq"] == 6 and profile["target"]["tokens"] == [1, 6, 12, 48, 64]
+    timed = {layout for layout in target.layouts if 3 not in layout}  # not the untimed 3-token prefills
+    assert timed == {(1,), (6,), (6, 6), (6,) * 8, (8,) * 8}  # past 8 x 6: 8 sequences
+    plain = SleepyRunner(0.0, 0.0)
+    profile_runners(plain, None, max_seqs=8, **kwargs)  # default: a token to a sequence, as decoding
+    timed = {layout for layout in plain.layouts if 3 not in layout}
+    assert timed == {(1,), (1,) * 6, (2,) * 4 + (1,) * 4, (6,) * 8, (8,) * 8}
 
 
 def test_profile_cache_hit_does_not_reprofile(tmp_path) -> None:

@@ -1,8 +1,8 @@
 """Start-up profiling of forward times, through the `ModelRunner` protocol only (no model code).
 
-Target: median time of one forward over N flattened tokens, spread over up to `max_seqs` dummy
-sequences (as a verification step spreads its tokens over requests), logits for every token (as
-verification needs). Draft: median time of one forward over a batch of B sequences, one token each,
+Target: median time of one forward over N flattened tokens, spread over dummy sequences as a
+verification step spreads its tokens over requests (`tokens_per_seq`, K + 1, to each; at most
+`max_seqs`), logits for every token (as verification needs). Draft: median time of one forward over a batch of B sequences, one token each,
 one logit each (a drafting step), and over larger token counts spread like the target's (a catch-up
 forward: the draft consuming a prompt, or the tokens it missed while speculation was off). Both curves
 are indexed by tokens fed. Every dummy sequence is prefilled with `context` tokens once (untimed)
@@ -97,20 +97,27 @@ def _prefill(runner: ModelRunner, ids: list[int], context: int, rng: np.random.G
 def profile_runners(
     target: ModelRunner,
     draft: ModelRunner | None,
-    token_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128),
+    token_counts: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128),
     batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
     catchup_tokens: Sequence[int] = (64, 128, 256),
     repeats: int = 3,
     context: int = 64,
     *,
     max_seqs: int = 8,
+    tokens_per_seq: int = 1,
     progress: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Median forward times of the target (by flattened token count) and the draft (by batch size, one
-    token per sequence, then by `catchup_tokens` spread over up to `max_seqs` sequences).
+    """Median forward times of the target (by flattened token count, `tokens_per_seq` to a sequence,
+    at most `max_seqs` sequences) and the draft (by batch size, one token per sequence, then by
+    `catchup_tokens` spread over up to `max_seqs` sequences).
 
-    Returns {"version", "context", "repeats", "max_seqs", "target": {"tokens", "seconds"},
+    `tokens_per_seq`: what one request verifies at most (K + 1). Where a forward's cost hangs on its
+    layout this is what prices verification: on a 2-core CPU a 6-token forward took 130 ms as one
+    sequence (one request verifying 5 drafts) and 150 ms as six, and the six-sequence profile priced
+    each draft past the fourth at 15 ms, so at one request the planner stopped drafting early.
+
+    Returns {"version", "context", "repeats", "max_seqs", "tokens_per_seq", "target": {"tokens", "seconds"},
     "draft": {"tokens", "seconds"} | None}, ready for `CostModel.from_profile`."""
     token_counts = sorted({int(n) for n in token_counts if int(n) > 0})
     batch_sizes = sorted({int(b) for b in batch_sizes if int(b) > 0})
@@ -124,12 +131,13 @@ def profile_runners(
     n_target_seqs = min(max(1, max_seqs), max(token_counts))
     # Tiny context windows (toy models): keep half for context, drop sizes that would not fit.
     context = max(0, min(int(context), limit // 2))
-    token_counts = [n for n in token_counts if math.ceil(n / n_target_seqs) <= limit - context - 1]
+    per_seq = max(1, int(tokens_per_seq))
+    target_layout = {n: _split(n, min(n_target_seqs, math.ceil(n / per_seq))) for n in token_counts}
+    token_counts = [n for n in token_counts if max(target_layout[n]) <= limit - context - 1]
     if not token_counts:
         raise ValueError(f"no token count fits a context window of {limit} tokens")
     rng = np.random.default_rng(seed)
 
-    target_layout = {n: _split(n, min(n_target_seqs, n)) for n in token_counts}
     target_ids = [RESERVED_SEQ_ID_BASE - i for i in range(n_target_seqs)]
     draft_layout = {b: [1] * b for b in batch_sizes}
     for n in sorted({int(n) for n in catchup_tokens}):
@@ -170,6 +178,7 @@ def profile_runners(
         "context": context,
         "repeats": repeats,
         "max_seqs": n_target_seqs,
+        "tokens_per_seq": per_seq,
         "target": {"tokens": token_counts, "seconds": target_seconds},
         "draft": draft_part,
     }

@@ -215,18 +215,21 @@ def dtype_name(args: argparse.Namespace) -> str:
     return str(resolve_dtype(args.dtype, args.device)).removeprefix("torch.")
 
 
-def _cost_model(models, args: argparse.Namespace, progress: bool):
-    """One cost model for every adaptive engine: profiled once (cached per model pair and machine)."""
+def _cost_model(models, args: argparse.Namespace, k: int, progress: bool):
+    """One cost model for every adaptive engine: profiled once (cached per model pair, machine and K,
+    whose K + 1 tokens per request lay out the verification forwards it times)."""
     from specverify.cost_model import CostModel
     from specverify.models.assets import cache_dir
     from specverify.profiling import load_or_profile, profile_runners
 
     if args.reprofile:
-        profile = profile_runners(models.target, models.draft, progress=progress)
+        profile = profile_runners(models.target, models.draft, tokens_per_seq=k + 1, progress=progress)
     else:
         path = Path(args.profile_cache) if args.profile_cache else cache_dir() / "profiles.json"
         key = f"{models.target_name}|{models.draft_name}|{dtype_name(args)}|{args.device}"
-        profile = load_or_profile(models.target, models.draft, path, key, progress=progress)
+        profile = load_or_profile(
+            models.target, models.draft, path, key, tokens_per_seq=k + 1, progress=progress
+        )
     return CostModel.from_profile(profile)
 
 
@@ -280,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
     )
     prompt_ids = encode_prompts(models.tokenizer, prompts)
     chat = has_chat_template(models.tokenizer)
-    cost_model = _cost_model(models, args, progress) if "adaptive" in config.modes else None
+    k = config.num_speculative_tokens
+    cost_model = _cost_model(models, args, k, progress) if "adaptive" in config.modes else None
     setup_s = time.perf_counter() - started
 
     runner = BenchRunner(

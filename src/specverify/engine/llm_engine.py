@@ -243,7 +243,8 @@ class LLMEngine:
                 from specverify.cost_model import CostModel
                 from specverify.profiling import profile_runners
 
-                cost_model = CostModel.from_profile(profile_runners(self.target, self.draft))
+                profile = profile_runners(self.target, self.draft, tokens_per_seq=k + 1)
+                cost_model = CostModel.from_profile(profile)
             self.planner = AdaptivePlanner(cost_model, k)
         if self.config.record_trace:
             from specverify.trace import TraceWriter
