@@ -72,9 +72,10 @@ def test_q4k_codes_reproduce_ggufs_dequantisation(q4k_gguf) -> None:
     assert gf.q4k_groups("blk.0.attn_v.weight", data) is None  # F32: no codes
 
 
-def test_small_forwards_take_the_q4k_codes_and_agree_with_the_dense_path(q4k_gguf) -> None:
-    dense, _ = load_runner(q4k_gguf, dtype="bfloat16", with_tokenizer=False, progress=False)
-    int4, _ = load_runner(q4k_gguf, dtype="bfloat16", with_tokenizer=False, progress=False, int4_rows=4)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # float32: a CPU without bf16 dot products
+def test_small_forwards_take_the_q4k_codes_and_agree_with_the_dense_path(q4k_gguf, dtype: str) -> None:
+    dense, _ = load_runner(q4k_gguf, dtype=dtype, with_tokenizer=False, progress=False)
+    int4, _ = load_runner(q4k_gguf, dtype=dtype, with_tokenizer=False, progress=False, int4_rows=4)
     layers = int4.model.layers
     # Layer 0's v and down are F32, so its fused q/k/v and its down stay dense; the rest take int4.
     assert not isinstance(layers[0].wqkv, QuantizedWeight) and not isinstance(
@@ -94,7 +95,8 @@ def test_small_forwards_take_the_q4k_codes_and_agree_with_the_dense_path(q4k_ggu
     large = [r.forward([0], [[5, 9, 11, 17, 23]], [5]).float() for r in (dense, int4)]  # 5 rows: dense
     assert torch.equal(large[0], large[1])
     assert not torch.equal(small[0], small[1])  # another kernel and rounding: it did take the int4 path
-    # The same weights up to bf16 rounding (of each weight, or of each group's scale and offset).
+    # The same weights up to bf16 rounding (of each weight, or of each group's scale and offset, and in
+    # float32 of the activations the kernel is handed).
     p, q = (torch.log_softmax(x, -1) for x in small)
     kl = (p.exp() * (p - q)).sum(-1)
     assert kl.max().item() < 1e-3, kl

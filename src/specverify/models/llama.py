@@ -319,8 +319,9 @@ class LlamaModel(nn.Module):
         its checkpoint's own int4 codes in `groups` an int4 copy built from those codes (see
         `QuantizedWeight`), used by forwards over at most `max_rows` rows. The codes are the checkpoint's
         (Q4_K: 32-value groups), not a re-quantization: only each group's scale and offset are rounded,
-        to bf16, where the dense path rounds each weight to bf16. Call before packing. Returns how many
-        weights took an int4 copy."""
+        to bf16, where a bf16 dense path rounds each weight to bf16 (a float32 model also hands the
+        kernel bf16 copies of its activations). Call before packing. Returns how many weights took an
+        int4 copy."""
         fused = {"wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"), "w_down": ("down",)}
         done = 0
         for i, layer in enumerate(self.layers):

@@ -547,7 +547,7 @@ def load_model(
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the `LlamaModel` (weights in `dtype` on `device`; "auto": see `resolve_dtype`) and its config.
     `int4_rows` > 0: a GGUF file's Q4_K weights also keep their codes for the CPU int4 kernel, used by
-    forwards over at most that many rows (see `LlamaModel.use_int4_groups`; bf16 on the CPU only)."""
+    forwards over at most that many rows (see `LlamaModel.use_int4_groups`; bf16 or float32 on the CPU)."""
     from .quant import can_quantize_weights
 
     torch_dtype = resolve_dtype(dtype, device)
@@ -557,11 +557,7 @@ def load_model(
     if kind == "gguf":
         gf = GGUFFile(p)
         config = _gguf_config(gf)
-        if (
-            int4_rows > 0
-            and torch_dtype == torch.bfloat16
-            and can_quantize_weights(torch_dtype, torch_device)
-        ):
+        if int4_rows > 0 and can_quantize_weights(torch_dtype, torch_device):
             int4 = {}
         weights = _load_gguf_weights(gf, config, torch_dtype, torch_device, progress, int4)
     else:
