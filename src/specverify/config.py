@@ -42,7 +42,8 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = 65536
     # Weight-only quantized draft matmuls ("int4", "int8"; None or "none": bf16), used only by draft
     # forwards over at most 4 rows, where they measure faster than packed bf16 (models/quant.py). CPU
-    # bf16 only; elsewhere the draft keeps its weights. Lossless: only the draft's distribution moves.
+    # only (bf16 or float32); elsewhere the draft keeps its weights. Lossless: only the draft's
+    # distribution moves.
     draft_quantization: str | None = "int4"
     # Suffix drafting: the shared cache of finished requests' outputs, at most this many tokens (oldest
     # requests evicted first); 0: each request drafts from its own prompt and output only.
