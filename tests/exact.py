@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import torch
+from conftest import TEST_DEVICE
 from scipy import stats
 
 from specverify.config import EngineConfig, SpeculativeConfig
@@ -74,8 +75,10 @@ def sample_engine(
     **engine_kwargs,
 ) -> tuple[Counter, LLMEngine]:
     """`n` samples of `length` tokens after `prompt`; `draft_fn` None: no draft model (a suffix spec)."""
-    target = ToyRunner(VOCAB, target_fn)
-    draft = ToyRunner(VOCAB, draft_fn) if spec is not None and draft_fn is not None else None
+    target = ToyRunner(VOCAB, target_fn, device=TEST_DEVICE)
+    draft = (
+        ToyRunner(VOCAB, draft_fn, device=TEST_DEVICE) if spec is not None and draft_fn is not None else None
+    )
     config = EngineConfig(max_num_seqs=64, seed=seed, speculative=spec)
     engine = LLMEngine(target, ToyTokenizer(VOCAB), config, draft=draft, **engine_kwargs)
     run_params = SamplingParams(

@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from conftest import TEST_DEVICE
 
 from specverify.bench import datasets
 from specverify.bench.report import format_table, run_rows, write_report
@@ -37,13 +38,13 @@ class ChatToyTokenizer(ToyTokenizer):
 
 
 def toy_models() -> tuple[ToyRunner, ChatToyTokenizer, ToyRunner]:
-    target = ToyRunner(VOCAB, table_logits(VOCAB, seed=1, sharpness=1.5))
+    target = ToyRunner(VOCAB, table_logits(VOCAB, seed=1, sharpness=1.5), device=TEST_DEVICE)
     # The draft is the target's table plus noise, so drafts are accepted often but not always.
     target_fn, noise_fn = (
         table_logits(VOCAB, seed=1, sharpness=1.5),
         table_logits(VOCAB, seed=2, sharpness=0.7),
     )
-    draft = ToyRunner(VOCAB, lambda ctx: target_fn(ctx) + noise_fn(ctx))
+    draft = ToyRunner(VOCAB, lambda ctx: target_fn(ctx) + noise_fn(ctx), device=TEST_DEVICE)
     return target, ChatToyTokenizer(VOCAB), draft
 
 
@@ -886,7 +887,7 @@ def test_cli_with_model_but_no_draft_says_what_to_do() -> None:
 
 
 @pytest.mark.integration
-def test_bench_runs_on_a_real_model_pair(smollm2_gguf, specverify_cache, tmp_path: Path) -> None:
+def test_bench_runs_on_a_real_model_pair(smollm2_gguf, specverify_cache, tmp_path: Path, device) -> None:
     # SmolLM2 as its own draft: any supported pair goes through --model / --speculative-config.
     out = tmp_path / "out"
     # Unquantized, so that the draft is the target itself.
@@ -894,7 +895,7 @@ def test_bench_runs_on_a_real_model_pair(smollm2_gguf, specverify_cache, tmp_pat
     args = bench_parser().parse_args(
         ["bench", "--model", str(smollm2_gguf), "--speculative-config", spec, "--dataset", "mtbench",
          "--concurrency", "2", "--min-prompts", "2", "--max-tokens", "8", "--warmup-tokens", "2",
-         "--no-progress",
+         "--no-progress", "--device", str(device),
          "--output-dir", str(out), "--profile-cache", str(tmp_path / "profiles.json")]
     )  # fmt: skip
     assert args.func(args) == 0

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TEST_DEVICE
 
 from specverify.models.assets import smollm2_path
 
@@ -22,7 +23,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def _home() -> dict:
     import os
 
-    return {k: v for k, v in os.environ.items() if k in ("HOME", "SPECVERIFY_CACHE")}
+    # CUDA_VISIBLE_DEVICES and LD_LIBRARY_PATH: what a CUDA TEST_DEVICE may need to be found.
+    keep = ("HOME", "SPECVERIFY_CACHE", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH")
+    return {k: v for k, v in os.environ.items() if k in keep}
 
 
 @pytest.mark.integration
@@ -41,6 +44,8 @@ def test_generate_with_speculation_prints_the_completion() -> None:
         "8",
         "--temperature",
         "0",
+        "--device",
+        str(TEST_DEVICE),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()

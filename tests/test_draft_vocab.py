@@ -184,12 +184,13 @@ def _compare(full: TorchModelRunner, part: TorchModelRunner, **tol) -> None:
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen2-tied", "llama-tied-bias-rope3"])
-def test_restricted_runner_returns_the_columns_of_the_full_logits(tiny_hf, variant):
+def test_restricted_runner_returns_the_columns_of_the_full_logits(tiny_hf, variant, device):
     directory, _ = tiny_hf(variant)
-    full, _ = load_runner(directory, dtype="float32", max_model_len=64, progress=False, with_tokenizer=False)
-    part, _ = load_runner(directory, dtype="float32", max_model_len=64, progress=False, with_tokenizer=False)
+    kwargs = dict(dtype="float32", device=device, max_model_len=64, progress=False, with_tokenizer=False)
+    full, _ = load_runner(directory, **kwargs)
+    part, _ = load_runner(directory, **kwargs)
     part.restrict_logits(SUBSET)
-    assert torch.equal(part.logit_token_ids, SUBSET) and full.logit_token_ids is None
+    assert torch.equal(part.logit_token_ids.cpu(), SUBSET) and full.logit_token_ids is None
     _compare(full, part, atol=1e-5, rtol=1e-4)
     # Prefill-only and empty calls have the subset's width too; inputs are checked on the whole vocab.
     assert part.forward([1], [_tokens(4, 2)], [0]).shape == (0, len(SUBSET))
@@ -214,11 +215,11 @@ def test_restricted_packed_runner_matches_the_packed_full_runner(tiny_hf, varian
     _compare(full, part, atol=2e-2, rtol=2e-2)
 
 
-def test_a_model_shared_by_two_runners_keeps_its_full_head(tiny_hf):
+def test_a_model_shared_by_two_runners_keeps_its_full_head(tiny_hf, device):
     directory, _ = tiny_hf("qwen2-tied")
-    model, config = load_model(directory, dtype="float32", progress=False)
-    target = TorchModelRunner(model, config, dtype="float32", max_model_len=64)
-    draft = TorchModelRunner(model, config, dtype="float32", max_model_len=64)
+    model, config = load_model(directory, dtype="float32", device=device, progress=False)
+    target = TorchModelRunner(model, config, device=device, dtype="float32", max_model_len=64)
+    draft = TorchModelRunner(model, config, device=device, dtype="float32", max_model_len=64)
     draft.restrict_logits(SUBSET)
     assert target.forward([0], [[1, 2, 3]], [1]).shape == (1, TINY_VOCAB)
     assert draft.forward([0], [[1, 2, 3]], [1]).shape == (1, len(SUBSET))
@@ -237,21 +238,21 @@ def test_a_model_shared_by_two_runners_keeps_its_full_head(tiny_hf):
         ([1, TINY_VOCAB], r"must lie in \[0, "),
     ],
 )
-def test_restrict_logits_rejects_bad_ids(tiny_hf, ids, match):
+def test_restrict_logits_rejects_bad_ids(tiny_hf, ids, match, device):
     directory, _ = tiny_hf("qwen2")
     runner, _ = load_runner(
-        directory, dtype="float32", max_model_len=64, progress=False, with_tokenizer=False
+        directory, dtype="float32", device=device, max_model_len=64, progress=False, with_tokenizer=False
     )
-    toy = ToyRunner(TINY_VOCAB, table_logits(TINY_VOCAB, seed=0))
+    toy = ToyRunner(TINY_VOCAB, table_logits(TINY_VOCAB, seed=0), device=device)
     for r in (runner, toy):
         with pytest.raises(ValueError, match=match):
             r.restrict_logits(torch.tensor(ids) if ids else torch.tensor([], dtype=torch.long))
         assert r.logit_token_ids is None
 
 
-def test_toy_runner_restrict_logits():
-    full = ToyRunner(TINY_VOCAB, table_logits(TINY_VOCAB, seed=3))
-    part = ToyRunner(TINY_VOCAB, table_logits(TINY_VOCAB, seed=3))
+def test_toy_runner_restrict_logits(device):
+    full = ToyRunner(TINY_VOCAB, table_logits(TINY_VOCAB, seed=3), device=device)
+    part = ToyRunner(TINY_VOCAB, table_logits(TINY_VOCAB, seed=3), device=device)
     part.restrict_logits(SUBSET)
     a = full.forward([0, 1], [[1, 2, 3], [4]], [2, 1])
     b = part.forward([0, 1], [[1, 2, 3], [4]], [2, 1])
@@ -261,11 +262,11 @@ def test_toy_runner_restrict_logits():
     assert part.forward([3], [[5]], [1]).shape == (1, TINY_VOCAB)
 
 
-def test_restrict_draft_vocabulary_wires_the_subset_into_the_runner(tmp_path, monkeypatch):
+def test_restrict_draft_vocabulary_wires_the_subset_into_the_runner(tmp_path, monkeypatch, device):
     monkeypatch.setenv("SPECVERIFY_CACHE", str(tmp_path))
     monkeypatch.setattr(draft_vocab, "default_corpus", lambda: CORPUS)
     tok = WordTokenizer(WORDS)
-    draft = ToyRunner(len(tok), table_logits(len(tok), seed=1, order=1))
+    draft = ToyRunner(len(tok), table_logits(len(tok), seed=1, order=1), device=device)
     restrict_draft_vocabulary(draft, tok, 300, progress=False)
     assert len(draft.logit_token_ids) == 300 and draft.forward([0], [[1]], [1]).shape == (1, 300)
     assert list((tmp_path / "draft_vocab").glob("counts-*.json"))

@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from exact import VOCAB, toy_pair
 
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
@@ -24,8 +25,8 @@ def make_engine(
 ):
     """An engine over the toy pair; with `cost_model`, adaptive verification on."""
     target_fn, draft_fn = toy_pair()
-    target = ToyRunner(VOCAB, target_fn, max_model_len=max_model_len)
-    draft = ToyRunner(VOCAB, draft_fn, max_model_len=max_model_len)
+    target = ToyRunner(VOCAB, target_fn, max_model_len=max_model_len, device=TEST_DEVICE)
+    draft = ToyRunner(VOCAB, draft_fn, max_model_len=max_model_len, device=TEST_DEVICE)
     adaptive = cost_model is not None
     spec = SpeculativeConfig(num_speculative_tokens=k, enable_adaptive_verification=adaptive) if k else None
     engine = LLMEngine(
@@ -250,10 +251,10 @@ def test_bad_speculative_configs_raise(config, error) -> None:
         SpeculativeConfig.from_any(config)
 
 
-def test_vocabulary_mismatch_is_refused() -> None:
+def test_vocabulary_mismatch_is_refused(device) -> None:
     target_fn, _ = toy_pair()
-    target = ToyRunner(VOCAB, target_fn)
-    draft = ToyRunner(VOCAB + 1, lambda ctx: torch.zeros(VOCAB + 1))
+    target = ToyRunner(VOCAB, target_fn, device=device)
+    draft = ToyRunner(VOCAB + 1, lambda ctx: torch.zeros(VOCAB + 1), device=device)
     with pytest.raises(ConfigError, match="vocabularies differ"):
         LLMEngine(target, ToyTokenizer(VOCAB), EngineConfig(speculative=SpeculativeConfig()), draft=draft)
 

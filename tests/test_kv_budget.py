@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import TINY_VOCAB
+from conftest import TEST_DEVICE, TINY_VOCAB
 from exact import PROMPT, VOCAB, chi_square_pvalue, exact_distribution, toy_pair
 
 from specverify.config import EngineConfig, SpeculativeConfig
@@ -34,8 +34,8 @@ class FeedLog(ToyRunner):
 def make_engine(budget_tokens=None, k=3, vocab=VOCAB, max_prefill_tokens=512, adaptive=False, seed=0):
     target_fn, draft_fn = toy_pair() if vocab == VOCAB else (table_logits(vocab, 1), table_logits(vocab, 2))
     per_token = PER_TOKEN if budget_tokens is not None else 0
-    target = FeedLog(vocab, target_fn, kv_bytes_per_token=per_token)
-    draft = ToyRunner(vocab, draft_fn, kv_bytes_per_token=per_token) if k else None
+    target = FeedLog(vocab, target_fn, kv_bytes_per_token=per_token, device=TEST_DEVICE)
+    draft = ToyRunner(vocab, draft_fn, kv_bytes_per_token=per_token, device=TEST_DEVICE) if k else None
     spec = SpeculativeConfig(num_speculative_tokens=k, enable_adaptive_verification=adaptive) if k else None
     memory = None if budget_tokens is None else budget_tokens * 2 * PER_TOKEN / GIB  # both models count
     config = EngineConfig(
@@ -151,10 +151,10 @@ def test_prompt_logprobs_of_a_long_prompt_come_in_bounded_chunks() -> None:
     )
 
 
-def test_chunked_prefill_logits_equal_one_shot(tiny_hf) -> None:
+def test_chunked_prefill_logits_equal_one_shot(tiny_hf, device) -> None:
     """fp32: the same logits up to the matmuls' blocking (1e-5), chunked or at once."""
     directory, _ = tiny_hf("qwen2")
-    runner, _ = load_runner(directory, dtype="float32", max_model_len=256, progress=False)
+    runner, _ = load_runner(directory, dtype="float32", device=device, max_model_len=256, progress=False)
     ids = torch.randint(0, TINY_VOCAB, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     whole = runner.forward([0], [ids], [1])
     runner.reserve(1, 200)
@@ -164,12 +164,12 @@ def test_chunked_prefill_logits_equal_one_shot(tiny_hf) -> None:
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
 
 
-def test_real_runner_caches_never_exceed_what_the_budget_counts(tiny_hf, monkeypatch) -> None:
+def test_real_runner_caches_never_exceed_what_the_budget_counts(tiny_hf, monkeypatch, device) -> None:
     from specverify.models import llama
 
     monkeypatch.setattr(llama, "KV_BLOCK_TOKENS", 32)  # blocks small enough for the tiny model's 256
     directory, _ = tiny_hf("qwen2")
-    target, _ = load_runner(directory, dtype="float32", max_model_len=256, progress=False)
+    target, _ = load_runner(directory, dtype="float32", device=device, max_model_len=256, progress=False)
     target.kv_block_tokens = 32
     per_token = target.kv_bytes_per_token
     assert per_token == 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads, head_dim 16, float32

@@ -48,8 +48,10 @@ def tiny_gguf(tiny_hf, tmp_path_factory):
     return write_tiny_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
-def test_tiny_gguf_loads(tiny_gguf):
-    runner, tokenizer = load_runner(tiny_gguf, dtype="float32", with_tokenizer=False, progress=False)
+def test_tiny_gguf_loads(tiny_gguf, device):
+    runner, tokenizer = load_runner(
+        tiny_gguf, dtype="float32", device=device, with_tokenizer=False, progress=False
+    )
     assert tokenizer is None and runner.vocab_size == 128
     assert model_name(tiny_gguf) == "tiny-llama"
 

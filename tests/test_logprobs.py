@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from exact import PROMPT, VOCAB, chi_square_pvalue, exact_distribution, reference_probs, toy_pair
 
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
@@ -26,8 +27,12 @@ SPECS = {
 
 def make_engine(spec, mode="raw_logprobs", vocab=VOCAB, max_num_seqs=16, seed=0):
     target_fn, draft_fn = toy_pair() if vocab == VOCAB else (table_logits(vocab, 1), table_logits(vocab, 2))
-    target = ToyRunner(vocab, target_fn)
-    draft = ToyRunner(vocab, draft_fn) if spec is not None and spec.method == "draft_model" else None
+    target = ToyRunner(vocab, target_fn, device=TEST_DEVICE)
+    draft = (
+        ToyRunner(vocab, draft_fn, device=TEST_DEVICE)
+        if spec is not None and spec.method == "draft_model"
+        else None
+    )
     config = EngineConfig(max_num_seqs=max_num_seqs, speculative=spec, logprobs_mode=mode, seed=seed)
     return LLMEngine(target, ToyTokenizer(vocab), config, draft=draft), target, draft
 
@@ -230,12 +235,16 @@ def test_position_logprobs_rank_and_order() -> None:
         token_logprobs(logits, [0], [SamplingParams()], [1], [1], mode="logits")
 
 
-def test_llm_generate_gives_every_sample_and_its_logprobs() -> None:
+def test_llm_generate_gives_every_sample_and_its_logprobs(device) -> None:
     from specverify.llm import LLM, LoadedModels
 
     target_fn, draft_fn = toy_pair()
     models = LoadedModels(
-        ToyRunner(VOCAB, target_fn), ToyTokenizer(VOCAB), ToyRunner(VOCAB, draft_fn), "t", "d"
+        ToyRunner(VOCAB, target_fn, device=device),
+        ToyTokenizer(VOCAB),
+        ToyRunner(VOCAB, draft_fn, device=device),
+        "t",
+        "d",
     )
     llm = LLM(speculative_config={"num_speculative_tokens": 3}, models=models)
     params = SamplingParams(

@@ -39,15 +39,15 @@ def runner_greedy(runner, prompt: list[int], steps: int, seq_id: int = 0) -> lis
 
 
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
-def test_tiny_hf_logits_and_greedy_match_transformers(tiny_hf, variant):
+def test_tiny_hf_logits_and_greedy_match_transformers(tiny_hf, variant, device):
     directory, hf = tiny_hf(variant)
-    runner, tokenizer = load_runner(directory, dtype="float32", progress=False)
+    runner, tokenizer = load_runner(directory, dtype="float32", device=device, progress=False)
     assert tokenizer is None  # the tiny directories carry no tokenizer
     assert isinstance(runner, ModelRunner)
     prompt = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    got = runner.forward([7], [prompt], [len(prompt)])
+    got = runner.forward([7], [prompt], [len(prompt)]).cpu()  # the reference runs on the CPU
     assert got.dtype == torch.float32 and got.shape == (len(prompt), TINY_VOCAB)
     assert ref.abs().max() > 1.0  # logits spread out enough to make the comparison meaningful
     assert (got - ref).abs().max().item() < TINY_ATOL
@@ -55,23 +55,23 @@ def test_tiny_hf_logits_and_greedy_match_transformers(tiny_hf, variant):
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen2-tied"])
-def test_tiny_gguf_matches_transformers(tiny_hf, tmp_path, variant):
+def test_tiny_gguf_matches_transformers(tiny_hf, tmp_path, variant, device):
     """GGUF path: llama.cpp names, F32 tensors, and for llama the Q/K permutation that must be undone."""
     _, hf = tiny_hf(variant)
     path = write_tiny_gguf(hf, tmp_path / f"{variant}.gguf")
-    runner, _ = load_runner(path, dtype="float32", with_tokenizer=False, progress=False)
+    runner, _ = load_runner(path, dtype="float32", device=device, with_tokenizer=False, progress=False)
     assert runner.config.tie_word_embeddings == TINY_VARIANTS[variant][1]["tie_word_embeddings"]
     prompt = list(range(3, 35))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    got = runner.forward([0], [prompt], [len(prompt)])
+    got = runner.forward([0], [prompt], [len(prompt)]).cpu()
     assert (got - ref).abs().max().item() < TINY_ATOL
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
-def test_ragged_batch_equals_sequences_alone(tiny_hf, variant):
+def test_ragged_batch_equals_sequences_alone(tiny_hf, variant, device):
     directory, _ = tiny_hf(variant)
-    runner, _ = load_runner(directory, dtype="float32", progress=False)
+    runner, _ = load_runner(directory, dtype="float32", device=device, progress=False)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=g).tolist() for n in (7, 1, 12)]
     steps = [torch.randint(0, TINY_VOCAB, (n,), generator=g).tolist() for n in (1, 4, 3)]
@@ -116,10 +116,10 @@ def test_bf16_close_to_fp32_and_packed_weights_match_plain(tiny_hf):
 
 # ------------------------------------------------------------------------------------ SmolLM2 GGUF
 @pytest.fixture(scope="module")
-def smollm2_pair(smollm2_gguf, specverify_cache):
+def smollm2_pair(smollm2_gguf, specverify_cache, device):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    ours, tokenizer = load_runner(smollm2_gguf, dtype="float32", progress=False)
+    ours, tokenizer = load_runner(smollm2_gguf, dtype="float32", device=device, progress=False)
     # The reference's config is written out from SmolLM2-135M's published values rather than read
     # from the GGUF: independent of our metadata parsing, and it spares transformers one slow parse.
     config = LlamaConfig(
@@ -150,7 +150,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_pair):
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     with torch.no_grad():
         ref = reference(torch.tensor([prompt])).logits[0]
-    got = ours.forward([0], [prompt], [len(prompt)])
+    got = ours.forward([0], [prompt], [len(prompt)]).cpu()  # the reference runs on the CPU
     assert (got - ref).abs().max().item() < SMOLLM_ATOL
     ours.release(0)
 

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 @pytest.fixture
-def runner(tiny_hf):
+def runner(tiny_hf, device):
     directory, _ = tiny_hf("qwen2")
-    r, _ = load_runner(directory, dtype="float32", max_model_len=64, progress=False)
+    r, _ = load_runner(directory, dtype="float32", device=device, max_model_len=64, progress=False)
     return r
 
 
@@ -57,12 +57,12 @@ def test_truncate_to_zero_and_release_start_over(runner):
     assert runner.cache_bytes() == 0
 
 
-def test_cache_grows_in_blocks(tiny_hf, monkeypatch):
+def test_cache_grows_in_blocks(tiny_hf, monkeypatch, device):
     from specverify.models import llama
 
     monkeypatch.setattr(llama, "KV_BLOCK_TOKENS", 64)
     directory, _ = tiny_hf("qwen2")
-    runner, _ = load_runner(directory, dtype="float32", max_model_len=256, progress=False)
+    runner, _ = load_runner(directory, dtype="float32", device=device, max_model_len=256, progress=False)
     capacities = []
     runner.forward([0], [tokens(3, 5)], [0])
     for i in range(250):
@@ -137,15 +137,15 @@ def test_max_model_len_above_model_limit_is_rejected(tiny_hf):
         load_runner(directory, dtype="float32", max_model_len=1000, progress=False)
 
 
-def test_two_runners_can_share_one_model(tiny_hf):
+def test_two_runners_can_share_one_model(tiny_hf, device):
     """Target and draft may be the same weights with separate caches; packing happens once."""
     from specverify.models.loader import load_model
     from specverify.models.runner import TorchModelRunner
 
     directory, _ = tiny_hf("llama")
-    model, config = load_model(directory, dtype="bfloat16", progress=False)
-    a = TorchModelRunner(model, config, dtype="bfloat16")
-    b = TorchModelRunner(model, config, dtype="bfloat16")
+    model, config = load_model(directory, dtype="bfloat16", device=device, progress=False)
+    a = TorchModelRunner(model, config, device=device, dtype="bfloat16")
+    b = TorchModelRunner(model, config, device=device, dtype="bfloat16")
     prompt = tokens(9, 15)
     torch.testing.assert_close(a.forward([0], [prompt], [2]), b.forward([0], [prompt], [2]))
     a.truncate(0, 3)

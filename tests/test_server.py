@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from prometheus_client.parser import text_string_to_metric_families
 
 from specverify.config import EngineConfig, SpeculativeConfig
@@ -78,12 +79,14 @@ def make_engine(
 ) -> LLMEngine:
     target_fn = table_logits(VOCAB, 1, sharpness=2.0)
     noise_fn = table_logits(VOCAB, 2, sharpness=1.0)
-    target = SlowToyRunner(VOCAB, target_fn, max_model_len=max_model_len, delay=delay)
+    target = SlowToyRunner(VOCAB, target_fn, max_model_len=max_model_len, delay=delay, device=TEST_DEVICE)
     spec = None
     draft = None
     if speculative and HAS_ESTIMATOR:
         spec = SpeculativeConfig(num_speculative_tokens=3)
-        draft = ToyRunner(VOCAB, lambda c: target_fn(c) + noise_fn(c), max_model_len=max_model_len)
+        draft = ToyRunner(
+            VOCAB, lambda c: target_fn(c) + noise_fn(c), max_model_len=max_model_len, device=TEST_DEVICE
+        )
     config = EngineConfig(max_num_seqs=max_num_seqs, speculative=spec, logprobs_mode=logprobs_mode)
     return LLMEngine(
         target, ChatToyTokenizer(VOCAB, eos_token_id=None), config, draft=draft, model_name=MODEL
@@ -858,7 +861,7 @@ class FailingRunner(SlowToyRunner):
 
 def test_engine_failure_ends_the_batch_with_500_and_the_server_recovers() -> None:
     engine = make_engine(speculative=False)
-    engine.target = FailingRunner(VOCAB, engine.target.logits_fn)
+    engine.target = FailingRunner(VOCAB, engine.target.logits_fn, device=TEST_DEVICE)
     with serve(engine) as s, httpx.Client(timeout=5) as http:
         r = http.post(f"{s.url}/v1/completions", json=completion_body(prompt=[31, 1]))
         assert "simulated kernel failure" in assert_error(r, 500)
@@ -1015,14 +1018,14 @@ def test_shutdown_deadline_ends_in_flight_requests_with_an_error() -> None:
 
 
 @pytest.mark.integration
-def test_real_model_chat_over_http(smollm2_gguf, specverify_cache) -> None:
+def test_real_model_chat_over_http(smollm2_gguf, specverify_cache, device) -> None:
     from specverify.models.loader import load_model, load_tokenizer
     from specverify.models.runner import TorchModelRunner
 
     # One load serves as target and draft (separate KV caches over shared weights): loading is the slow part.
-    model, config = load_model(smollm2_gguf, dtype="bfloat16", progress=False)
-    target = TorchModelRunner(model, config, dtype="bfloat16", max_model_len=256)
-    draft = TorchModelRunner(model, config, dtype="bfloat16", max_model_len=256)
+    model, config = load_model(smollm2_gguf, dtype="bfloat16", device=device, progress=False)
+    target = TorchModelRunner(model, config, device=device, dtype="bfloat16", max_model_len=256)
+    draft = TorchModelRunner(model, config, device=device, dtype="bfloat16", max_model_len=256)
     spec = SpeculativeConfig(num_speculative_tokens=3)
     engine = LLMEngine(
         target, load_tokenizer(smollm2_gguf), EngineConfig(max_num_seqs=4, speculative=spec), draft=draft
@@ -1042,8 +1045,8 @@ def test_real_model_chat_over_http(smollm2_gguf, specverify_cache) -> None:
         assert m[("specverify_accepted_tokens_total", (("position", "0"),))] > 0  # a model agrees with itself
 
 
-def test_a_suffix_drafting_server_names_its_drafter_in_the_metrics() -> None:
-    target = SlowToyRunner(VOCAB, table_logits(VOCAB, 1, sharpness=2.0))
+def test_a_suffix_drafting_server_names_its_drafter_in_the_metrics(device) -> None:
+    target = SlowToyRunner(VOCAB, table_logits(VOCAB, 1, sharpness=2.0), device=device)
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=8)
     engine = LLMEngine(
         target, ChatToyTokenizer(VOCAB, eos_token_id=None), EngineConfig(speculative=spec), model_name=MODEL

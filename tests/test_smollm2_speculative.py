@@ -9,6 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from specverify.config import EngineConfig, SpeculativeConfig
 from specverify.cost_model import CostModel
@@ -45,8 +46,13 @@ def smollm2():
 
 def generate(smollm2, spec: SpeculativeConfig | None, cost_model=None, logprobs=None, prompts=None):
     model, draft_model, config, tokenizer = smollm2
-    target = TorchModelRunner(model, config, dtype="float32", max_model_len=512)
-    draft = TorchModelRunner(draft_model, config, dtype="float32", max_model_len=512) if spec else None
+    # The runners move the models (loaded and perturbed on the CPU) to TEST_DEVICE.
+    target = TorchModelRunner(model, config, device=TEST_DEVICE, dtype="float32", max_model_len=512)
+    draft = (
+        TorchModelRunner(draft_model, config, device=TEST_DEVICE, dtype="float32", max_model_len=512)
+        if spec
+        else None
+    )
     engine = LLMEngine(
         target, tokenizer, EngineConfig(max_num_seqs=4, speculative=spec), draft=draft, cost_model=cost_model
     )
@@ -108,12 +114,12 @@ def test_greedy_logprobs_are_the_same_with_and_without_speculation(smollm2) -> N
             _close(x, y, 5)
 
 
-def test_prompt_scoring_matches_generation_logprobs(smollm2) -> None:
+def test_prompt_scoring_matches_generation_logprobs(smollm2, device) -> None:
     """Scoring prompt + completion (max_tokens 0) gives the completion tokens the log-probabilities
     their generation reported: one distribution, whichever path computes it."""
     model, draft_model, config, tokenizer = smollm2
     generated, _ = generate(smollm2, SpeculativeConfig(num_speculative_tokens=4), logprobs=3)
-    target = TorchModelRunner(model, config, dtype="float32", max_model_len=512)
+    target = TorchModelRunner(model, config, device=device, dtype="float32", max_model_len=512)
     engine = LLMEngine(target, tokenizer, EngineConfig())
     for out in generated:
         ids = out.prompt_token_ids + out.output_token_ids

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TEST_DEVICE
 
 from specverify.models.assets import AssetError, smollm2_path
 
@@ -36,7 +37,7 @@ def test_short_soak_loses_nothing_and_restores_the_estimator(smollm2, specverify
     cmd = [sys.executable, str(SCRIPT), "--minutes", "0.75", "--clients", "8", "--model", str(smollm2)]
     cmd += ["--speculative-config", SUFFIX, "--kv-cache-memory", "0.05", "--checkpoint-interval", "5"]
     cmd += ["--long-prompt-tokens", "600", "--burst", "4", "--max-tokens", "32", "--startup-timeout", "120"]
-    cmd += ["--request-timeout", "60"]
+    cmd += ["--request-timeout", "60", f"--serve-arg=--device={TEST_DEVICE}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]

@@ -58,7 +58,7 @@ def binned_truth(target_fn, params: SamplingParams) -> dict[tuple[int, ...], flo
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_mixed_wide_batches_match_the_target(adaptive: bool, monkeypatch) -> None:
+def test_mixed_wide_batches_match_the_target(adaptive: bool, monkeypatch, device) -> None:
     target_fn, draft_fn = wide_pair()
     spec = SpeculativeConfig(num_speculative_tokens=2, enable_adaptive_verification=adaptive)
     extra = {}
@@ -68,10 +68,10 @@ def test_mixed_wide_batches_match_the_target(adaptive: bool, monkeypatch) -> Non
         monkeypatch.setattr(specverify.planner, "AdaptivePlanner", TrimmingPlanner)
         extra["cost_model"] = cost_model(0.004)
     engine = LLMEngine(
-        ToyRunner(VOCAB, target_fn),
+        ToyRunner(VOCAB, target_fn, device=device),
         ToyTokenizer(VOCAB),
         EngineConfig(max_num_seqs=64, seed=5, speculative=spec),
-        draft=ToyRunner(VOCAB, draft_fn),
+        draft=ToyRunner(VOCAB, draft_fn, device=device),
         **extra,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=LENGTH, ignore_eos=True)

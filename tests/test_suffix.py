@@ -170,7 +170,7 @@ def test_greedy_suffix_speculation_is_the_greedy_continuation(adaptive: bool) ->
     assert engine.stats.accepted_tokens > 0
 
 
-def test_the_suffix_drafter_costs_no_draft_model_and_names_its_estimator(tmp_path) -> None:
+def test_the_suffix_drafter_costs_no_draft_model_and_names_its_estimator(tmp_path, device) -> None:
     target_fn, _ = toy_pair()
     counts, engine = sample_engine(
         target_fn, None, SamplingParams(temperature=1.0), _spec(False), 40, LENGTH, prompt=PROMPT
@@ -183,9 +183,9 @@ def test_the_suffix_drafter_costs_no_draft_model_and_names_its_estimator(tmp_pat
     assert engine.estimator.n_observed_ > 0
     # A draft model's estimator state cannot warm a suffix engine, nor the other way round.
     draft_engine = LLMEngine(
-        ToyRunner(VOCAB, target_fn),
+        ToyRunner(VOCAB, target_fn, device=device),
         ToyTokenizer(VOCAB),
-        draft=ToyRunner(VOCAB, target_fn),
+        draft=ToyRunner(VOCAB, target_fn, device=device),
         config=EngineConfig(speculative=SpeculativeConfig(num_speculative_tokens=3)),
     )
     with pytest.raises(ConfigError, match="each drafter needs its own"):

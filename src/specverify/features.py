@@ -62,9 +62,9 @@ def _as_rows(logits: ArrayLike) -> tuple[torch.Tensor, tuple[int, ...], bool, bo
     return rows, lead, is_numpy, owned
 
 
-def _per_row(value: Param, n: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+def _per_row(value: Param, n: int, dtype: torch.dtype, name: str, device: torch.device) -> torch.Tensor:
     v = torch.as_tensor(np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value), dtype=dtype)
-    v = v.reshape(-1)
+    v = v.reshape(-1).to(device)
     if v.numel() == 1:
         return v.expand(n)
     if v.numel() != n:
@@ -72,9 +72,9 @@ def _per_row(value: Param, n: int, dtype: torch.dtype, name: str) -> torch.Tenso
     return v
 
 
-def _temperatures(temperature: Param, n: int, dtype: torch.dtype) -> torch.Tensor:
+def _temperatures(temperature: Param, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One temperature per row; T <= 0 (greedy drafting) counts as 1."""
-    t = _per_row(temperature, n, dtype, "temperature")
+    t = _per_row(temperature, n, dtype, "temperature", device)
     return torch.where(t > 0, t, torch.ones_like(t))
 
 
@@ -92,7 +92,7 @@ class _Pass:
     """
 
     def __init__(self, rows: torch.Tensor, temperature: Param, keep_z: bool = False, scratch: bool = False):
-        self.t = _temperatures(temperature, rows.shape[0], rows.dtype)
+        self.t = _temperatures(temperature, rows.shape[0], rows.dtype, rows.device)
         # scratch: the caller lends `rows` as working memory, saving one [R, V] allocation.
         self.rows = None if scratch else rows
         z = rows.div_(self.t[:, None]) if scratch else rows / self.t[:, None]
@@ -137,8 +137,8 @@ class _Pass:
         if self.rows is None:
             raise RuntimeError("the logits were used as scratch; the truncated feature needs them")
         n, v = self.rows.shape
-        p = _per_row(top_p, n, self.rows.dtype, "top_p")
-        k = _per_row(top_k, n, torch.int64, "top_k")
+        p = _per_row(top_p, n, self.rows.dtype, "top_p", self.rows.device)
+        k = _per_row(top_k, n, torch.int64, "top_k", self.rows.device)
         k = torch.where((k <= 0) | (k >= v), torch.full_like(k, v), k)
         result = self.others.clone()
         todo = torch.nonzero((p < 1.0) | (k < v)).reshape(-1)
@@ -173,7 +173,7 @@ def _kept_others(
     Returns (kept_others, resolved): `resolved` is False where the head is too short to decide.
     """
     width = head.shape[1]
-    in_k = torch.arange(width)[None, :] < top_k[:, None]
+    in_k = torch.arange(width, device=head.device)[None, :] < top_k[:, None]
     head = head * in_k
     inclusive = torch.cumsum(head, dim=1)
     exclusive = inclusive - head

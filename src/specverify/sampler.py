@@ -39,8 +39,10 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Spa
     kept support. Greedy rows keep their argmax alone, so greedy verification is exact match under the
     same rejection rule as sampling. `logits` [N, V] is read, never written."""
     n, vocab = logits.shape
-    # The rows' bookkeeping is small and lives on the CPU (a GPU runner's logits come over once).
-    logits = logits.float().cpu()
+    # Supports are found where the logits are (a GPU's [N, V] never crosses over); the kept entries and
+    # the rows' bookkeeping, small, live on the CPU.
+    logits = logits.float()
+    device = logits.device
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     cut = [i for i, p in enumerate(params) if p.temperature > 0 and _cuts(p, vocab)]
     whole = [i for i, p in enumerate(params) if p.temperature > 0 and not _cuts(p, vocab)]
@@ -48,12 +50,12 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Spa
     if greedy:
         rows = torch.tensor(greedy)
         ones = torch.ones(len(greedy), dtype=torch.long)
-        parts.append((rows, ones, logits[rows].argmax(dim=1), torch.ones(len(greedy))))
+        parts.append((rows, ones, logits[rows.to(device)].argmax(dim=1).cpu(), torch.ones(len(greedy))))
     if cut:
         parts.extend(_kept_support(logits, cut, [params[i] for i in cut]))
     if whole:
         rows = torch.tensor(whole)
-        probs = torch.softmax(_scaled(logits, whole, [params[i] for i in whole]), dim=1)
+        probs = torch.softmax(_scaled(logits, whole, [params[i] for i in whole]), dim=1).cpu()
         counts = torch.full((len(whole),), vocab)
         parts.append((rows, counts, torch.arange(vocab).repeat(len(whole)), probs.reshape(-1)))
     rows, counts, tokens, probs = (torch.cat(x) for x in zip(*parts, strict=True))
@@ -66,9 +68,10 @@ def _cuts(p: SamplingParams, vocab: int) -> bool:
 
 def _scaled(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits[rows] / T (no division where every T is 1)."""
-    picked = logits[rows] if len(rows) < logits.shape[0] else logits
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    return picked if bool((temps == 1).all()) else picked / temps[:, None]
+    picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) < logits.shape[0] else logits
+    if all(p.temperature == 1 for p in params):
+        return picked
+    return picked / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
 
 
 def _kept_support(
@@ -78,13 +81,13 @@ def _kept_support(
     smallest prefix of the descending tokens whose mass reaches top_p, a token staying iff the mass
     strictly before it is below top_p. Only each row's head is sorted; a row widens only while its head
     holds less than top_p of the mass. Returns segments for `SparseRows.from_segments`."""
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     z = _scaled(logits, rows, params)
     lse = torch.logsumexp(z, dim=1).double()
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
-    index = torch.tensor(rows)
-    pending = torch.arange(len(rows))
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
+    index = torch.tensor(rows, device=device)
+    pending = torch.arange(len(rows), device=device)
     segments = []
     width = _PROBE
     while pending.numel():
@@ -92,7 +95,7 @@ def _kept_support(
         width = min(vocab, max(width, int(cut_k.max()) if cut_k.numel() else 0))
         values, tokens = torch.topk(z[pending], width, dim=1)
         p = torch.exp(values.double() - lse[pending, None])
-        in_k = torch.arange(width)[None, :] < top_k[pending, None]
+        in_k = torch.arange(width, device=device)[None, :] < top_k[pending, None]
         p = p * in_k
         inclusive = torch.cumsum(p, dim=1)
         k_inside = top_k[pending] <= width
@@ -105,8 +108,9 @@ def _kept_support(
         # Kept tokens in ascending id order: dropped ones get the id `vocab` and sort last.
         tokens, order = torch.sort(torch.where(keep, tokens, vocab), dim=1)
         counts = keep.sum(dim=1)
-        first = torch.arange(width)[None, :] < counts[:, None]
-        segments.append((index[pending[done]], counts, tokens[first], p.gather(1, order)[first].float()))
+        first = torch.arange(width, device=device)[None, :] < counts[:, None]
+        segment = (index[pending[done]], counts, tokens[first], p.gather(1, order)[first].float())
+        segments.append(tuple(x.cpu() for x in segment))
         pending = pending[~done]
         width *= 16
     return segments

@@ -799,9 +799,11 @@ class LLMEngine:
         """
         from specverify.features import acceptance_feature, keeps_one_token, logit_qmax
 
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        temps = torch.tensor(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
+        )
         x = logit_qmax(logits.float() / temps[:, None], temperature=1.0, scratch=True)
-        x = x.double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+        x = x.double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
         one_token = keeps_one_token(q).numpy()
         return acceptance_feature(x, one_token), 1.0 / (1.0 + np.exp(-x)), one_token
 
@@ -817,7 +819,7 @@ class LLMEngine:
             top_k=[p.top_k for p in params],
         )
         values = {
-            name: v.double().numpy() if isinstance(v, torch.Tensor) else v for name, v in values.items()
+            name: v.double().cpu().numpy() if isinstance(v, torch.Tensor) else v for name, v in values.items()
         }
         values["one_token"] = one_token.astype(np.float64)
         return values

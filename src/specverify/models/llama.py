@@ -416,7 +416,9 @@ class LlamaModel(nn.Module):
             # [n, kv, g, d] -> [kv, g * n, d]; the causal mask is repeated per group to match.
             if n == 1:  # decode: the fold is a free view
                 qg = q[s].view(1, kv_heads, groups, head_dim)
-                out[s] = F.scaled_dot_product_attention(qg, keys, values).view(-1)
+                out[s] = F.scaled_dot_product_attention(qg, keys, values).reshape(
+                    -1
+                )  # a GPU kernel may lay it out strided
                 continue
             qg = (
                 q[s:e]
@@ -425,7 +427,7 @@ class LlamaModel(nn.Module):
                 .reshape(1, kv_heads, groups * n, head_dim)
             )
             o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
-            out[s:e] = o.view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+            out[s:e] = o.reshape(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, -1)
         return out
 
 

@@ -156,7 +156,7 @@ class TorchModelRunner:
         if quantized is not None and quantizable(rows.shape, quantized.bits, quantized.group_size):
             # The subset's head is as quantized as the whole one.
             head = QuantizedWeight(rows, head, quantized.bits, quantized.group_size, quantized.max_rows)
-        self.logit_token_ids, self._head = ids.to(self.device), head
+        self.logit_token_ids, self._head = ids.cpu(), head  # the ids index sampled rows, kept on the CPU
 
     # ------------------------------------------------------------------ protocol
     def forward(

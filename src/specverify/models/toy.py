@@ -17,13 +17,20 @@ class ToyRunner:
     kv_block_tokens = 1
 
     def __init__(
-        self, vocab_size: int, logits_fn: LogitsFn, max_model_len: int = 4096, kv_bytes_per_token: int = 0
+        self,
+        vocab_size: int,
+        logits_fn: LogitsFn,
+        max_model_len: int = 4096,
+        kv_bytes_per_token: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """`kv_bytes_per_token`: what the engine's KV budget counts per cached token (0: no budget)."""
+        """`kv_bytes_per_token`: what the engine's KV budget counts per cached token (0: no budget).
+        `device`: where `forward`'s logits live, as a real runner's on that device would (`logits_fn`'s
+        rows are moved there); `logit_token_ids` stays on the CPU, as a real runner's does."""
         self.kv_bytes_per_token = kv_bytes_per_token
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
         self.logits_fn = logits_fn
         self.caches: dict[int, list[int]] = {}
         self.tokens_processed = 0
@@ -56,9 +63,9 @@ class ToyRunner:
             for end in range(len(cache) - n + 1, len(cache) + 1):
                 rows.append(self.logits_fn(tuple(cache[:end])).float())
         if not rows:
-            return torch.empty(0, self.num_logit_columns)
-        out = torch.stack(rows)
-        return out if self.logit_token_ids is None else out[:, self.logit_token_ids]
+            return torch.empty(0, self.num_logit_columns, device=self.device)
+        out = torch.stack(rows).to(self.device)
+        return out if self.logit_token_ids is None else out[:, self.logit_token_ids.to(self.device)]
 
     def cache_length(self, seq_id: int) -> int:
         return len(self.caches.get(seq_id, ()))
