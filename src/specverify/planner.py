@@ -6,8 +6,8 @@ yields R + sum_{(r,k) in S} s[r,k] expected tokens (every request gets one targe
 D * draft_time(R) + target_time(R + |S|). In the steady state the planner maximises expected tokens per
 second; that best rate lambda (the value of a second) then prices what a single step must pay on top: the
 draft's catch-up (tokens it has not consumed yet: a new prompt, or what it missed while speculation was
-off; amortised over the steps the requests still have, at most `catchup_horizon`) and prefill (shared by every option). A step's choice
-maximises tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
+off; amortised over the steps the requests still have) and prefill (shared by every option). A step's
+choice maximises tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
 
 The plan's depth prices whether speculation pays and fixes tau; how deep each request drafts is then
 `should_continue`'s call, up to K. The plan rests on survivals pooled over recent steps, extrapolated past
@@ -92,7 +92,6 @@ class AdaptivePlanner:
         history_steps: int = 8,
         min_gain: float = 0.02,
         initial_threshold: float = 0.0,
-        catchup_horizon: float = 16.0,
         gain_prior_tokens: float = 20.0,
         gain_half_life_steps: float = 32.0,
     ) -> None:
@@ -105,11 +104,6 @@ class AdaptivePlanner:
         # Speculation must beat plain decoding by this relative margin: cost profiles are noisy and
         # switching speculation back on costs a draft catch-up forward the model does not see.
         self.min_gain = float(min_gain)
-        # At most this many steps amortise a draft catch-up (prompt, or tokens missed while speculation
-        # was off) when pricing the step that pays it: switching on must pay back within them.
-        if catchup_horizon < 1.0:
-            raise ValueError("catchup_horizon must be >= 1 step")
-        self.catchup_horizon = float(catchup_horizon)
         # Realised / expected draft gain: decaying sums (per planned step) over a prior of
         # `gain_prior_tokens` expected tokens that came as expected.
         self.gain_prior_tokens = float(gain_prior_tokens)
@@ -198,10 +192,17 @@ class AdaptivePlanner:
         count = np.concatenate([np.zeros((depths.size, 1)), np.cumsum(mask, axis=1)], axis=1)
         budget_tokens = count * scale
         tokens = r_count + gain * scale * self.gain_factor
-        # The first draft forward also consumes what the draft has not seen yet (its catch-up): an
-        # investment the following steps reuse, so 1 / horizon of its extra time is charged to this one.
-        catchup = (self.cost.draft_time(draft_feed) - self.cost.draft_time(r_count)) / max(horizon, 1.0)
-        draft_cost = np.where(depths > 0, depths * self.cost.draft_time(r_count) + catchup, 0.0)
+        # A speculative step leaves the draft one or two tokens behind per request (the correction, or
+        # its last draft and the bonus token), so its first forward reads up to 2R tokens every step,
+        # priced at that size (4 requests: up to 8 rows, past the draft's int4 kernel; priced as 4, the
+        # plan at c4 came out 7 % faster than measured). What it must read beyond that is a catch-up
+        # (a prompt, tokens missed while speculation was off): an investment the following steps
+        # reuse, so 1 / horizon of its extra time is charged to this one.
+        every_step = min(draft_feed, 2 * r_count)
+        first = self.cost.draft_time(every_step)
+        catchup = (self.cost.draft_time(draft_feed) - first) / max(horizon, 1.0)
+        later_forwards = np.maximum(depths - 1, 0) * self.cost.draft_time(r_count)
+        draft_cost = np.where(depths > 0, first + later_forwards + catchup, 0.0)
         # Depth 0 is a plain step, with its own measured cost (no verification overhead). Tokens being
         # prefilled cost every option the same, so one curve prices them for all: two curves, each
         # extrapolated far from where it was measured, would differ by more than the drafts cost.
@@ -260,7 +261,7 @@ class AdaptivePlanner:
         same choice; with a large shared prefill, maximising this step's rate would add drafts whose
         extra tokens come at a worse rate than plain decoding gives later. The catch-up is amortised
         over the steps the requests will still speculate: `remaining_tokens` (mean per request) over the
-        steady plan's tokens per request and step, at most `catchup_horizon`, and not at all (charged
+        steady plan's tokens per request and step (unknown: charged whole), and not at all (charged
         whole) where the steady state at `steady_requests` (the batch once waiting requests have joined;
         default: this one), each of its requests paying a catch-up like these over the same horizon,
         says plain decoding: no later speculative step would reuse it.
@@ -284,12 +285,17 @@ class AdaptivePlanner:
             return 0
         depths = np.arange(self.k + 1)
         pooled = self._pooled(self.expected_p)
-        steady, steady_tokens, *_ = self._plan(r_count, depths, pooled, context_tokens)
+        # The steady state's first draft forward reads what a speculative step leaves behind (see _plan).
+        lag = None if draft_feed_tokens is None else min(int(draft_feed_tokens), 2 * r_count)
+        steady, steady_tokens, *_ = self._plan(r_count, depths, pooled, context_tokens, draft_feed=lag)
         self.value_of_time = float(steady.max())
-        horizon = self.catchup_horizon
+        # No cap on the horizon: a catch-up refused because it pays back only after 16 steps (the cap
+        # this replaced) grows by one token each plain step, so a new request's prompt kept a whole
+        # request plain at one request where speculation ran 1.19x plain.
+        horizon = 1.0
         if remaining_tokens is not None:
             per_step = float(steady_tokens[1:].max()) / r_count  # tokens per request and step, drafting
-            horizon = min(horizon, max(1.0, float(remaining_tokens) / max(per_step, 1.0)))
+            horizon = max(1.0, float(remaining_tokens) / max(per_step, 1.0))
         # Would speculation pay in the steady state at the batch the joining requests make, each paying
         # its draft catch-up over the horizon (the joining ones taken to lag like these)? If not, no
         # later step reuses this step's catch-up: it is charged whole. Without the catch-up here, the
