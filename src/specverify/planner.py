@@ -3,7 +3,7 @@
 Notation for one step with R running requests: p[r, k] = P(accept slot k | slots < k accepted) from the
 estimator; survival s[r, k] = prod_{i<=k} p[r, i] = P(slot k is accepted). Verifying a set S of slots
 yields R + sum_{(r,k) in S} s[r,k] expected tokens (every request gets one target token) and costs
-D * draft_time(R) + target_time(R + |S|). In the steady state the planner maximises expected tokens per
+D draft forwards (the first reads what the last step left, up to 2R tokens) + target_time(R + |S|). In the steady state the planner maximises expected tokens per
 second; that best rate lambda (the value of a second) then prices what a single step must pay on top: the
 draft's catch-up (tokens it has not consumed yet: a new prompt, or what it missed while speculation was
 off; amortised over the steps the requests still have) and prefill (shared by every option). A step's
@@ -192,12 +192,9 @@ class AdaptivePlanner:
         count = np.concatenate([np.zeros((depths.size, 1)), np.cumsum(mask, axis=1)], axis=1)
         budget_tokens = count * scale
         tokens = r_count + gain * scale * self.gain_factor
-        # A speculative step leaves the draft one or two tokens behind per request (the correction, or
-        # its last draft and the bonus token), so its first forward reads up to 2R tokens every step,
-        # priced at that size (4 requests: up to 8 rows, past the draft's int4 kernel; priced as 4, the
-        # plan at c4 came out 7 % faster than measured). What it must read beyond that is a catch-up
-        # (a prompt, tokens missed while speculation was off): an investment the following steps
-        # reuse, so 1 / horizon of its extra time is charged to this one.
+        # Every speculative step leaves the draft 1-2 tokens per request (correction, or last draft and
+        # bonus): its first forward reads up to 2R every step (priced as R, a c4 plan ran 7 % fast). The
+        # rest is a catch-up (prompt, tokens missed while plain) that later steps reuse: 1 / horizon.
         every_step = min(draft_feed, 2 * r_count)
         first = self.cost.draft_time(every_step)
         catchup = (self.cost.draft_time(draft_feed) - first) / max(horizon, 1.0)
@@ -289,9 +286,8 @@ class AdaptivePlanner:
         lag = None if draft_feed_tokens is None else min(int(draft_feed_tokens), 2 * r_count)
         steady, steady_tokens, *_ = self._plan(r_count, depths, pooled, context_tokens, draft_feed=lag)
         self.value_of_time = float(steady.max())
-        # No cap on the horizon: a catch-up refused because it pays back only after 16 steps (the cap
-        # this replaced) grows by one token each plain step, so a new request's prompt kept a whole
-        # request plain at one request where speculation ran 1.19x plain.
+        # No cap: a catch-up refused for paying back after more than 16 steps grew a token each plain
+        # step, and kept whole requests plain at one request where speculation ran 1.19x plain.
         horizon = 1.0
         if remaining_tokens is not None:
             per_step = float(steady_tokens[1:].max()) / r_count  # tokens per request and step, drafting

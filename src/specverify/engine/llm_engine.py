@@ -799,9 +799,7 @@ class LLMEngine:
         """
         from specverify.features import acceptance_feature, keeps_one_token, logit_qmax
 
-        temps = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
-        )
+        temps = logits.new_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
         x = logit_qmax(logits.float() / temps[:, None], temperature=1.0, scratch=True)
         x = x.double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
         one_token = keeps_one_token(q).numpy()

@@ -415,10 +415,8 @@ class LlamaModel(nn.Module):
             # GQA without copying K/V: fold each kv head's query group into the query-length axis,
             # [n, kv, g, d] -> [kv, g * n, d]; the causal mask is repeated per group to match.
             if n == 1:  # decode: the fold is a free view
-                qg = q[s].view(1, kv_heads, groups, head_dim)
-                out[s] = F.scaled_dot_product_attention(qg, keys, values).reshape(
-                    -1
-                )  # a GPU kernel may lay it out strided
+                qg = q[s].view(1, kv_heads, groups, head_dim)  # reshape below: CUDA's output is strided
+                out[s] = F.scaled_dot_product_attention(qg, keys, values).reshape(-1)
                 continue
             qg = (
                 q[s:e]
