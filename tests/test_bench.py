@@ -144,6 +144,8 @@ def run_toy_bench(
                 # By now the runner has loaded the state it carries over into the fresh engine.
                 estimator = engine.estimator
                 engine.initial_estimator = None if estimator is None else estimator.state_dict()
+                greedy = engine.greedy_estimator
+                engine.initial_greedy_labels = None if greedy is None else greedy.n_observed_
             engine.requests.append((list(ids), params))
             return add_request(ids, params, *a, **k)
 
@@ -176,6 +178,7 @@ def run_toy_bench(
         top_p=1.0,
         num_speculative_tokens=3,
         warmup_tokens=2,
+        warmup_labels=0,  # the estimator warm-up has its own test
     )
     config = BenchConfig(**{**settings, **overrides})
     prompts = datasets.encode_prompts(tokenizer, datasets.load_prompts("mtbench", 4))
@@ -291,6 +294,32 @@ def test_the_adaptive_estimator_and_calibration_stay_warm_across_points(toy_benc
     assert len({id(e.target) for _, e in engines}) == 1
     assert adaptive[1].planner is not None
     assert all(e.planner.cost is adaptive[1].planner.cost for e in adaptive[2:])
+
+
+def test_the_estimator_warm_up_feeds_each_estimator_the_sweep_uses_before_any_timed_step(tmp_path) -> None:
+    results, engines = run_toy_bench(
+        tmp_path, modes=("none", "adaptive"), concurrencies=(2,), temperature=[1.0, 0.0], warmup_labels=12
+    )
+    adaptive = [e for mode, e in engines if mode == "adaptive"]
+    warm_ups = adaptive[1:-2]  # after the short warm-up, before the two timed points
+    assert warm_ups, "no estimator warm-up ran"
+    temperatures = {params.temperature for e in warm_ups for _, params in e.requests}
+    assert temperatures == {1.0, 0.0}  # both estimators, at the sweep's first temperature of each kind
+    warmed = results["config"]["estimator_warmup"]
+    assert set(warmed["labels"]) == {"sampled", "greedy"}
+    assert all(n >= 12 for n in warmed["labels"].values())
+    first_timed = adaptive[-2]
+    assert first_timed.initial_estimator["n_observed"] >= 12 and first_timed.initial_greedy_labels >= 12
+    # Its seeds are not the timed prompts' seeds.
+    timed_seeds = {params.seed for e in adaptive[-2:] for _, params in e.requests}
+    assert timed_seeds.isdisjoint(params.seed for e in warm_ups for _, params in e.requests)
+    assert "estimator warm-up before the sweep (untimed)" in format_table(results)
+
+
+def test_a_cold_sweep_says_so(toy_bench) -> None:
+    results, _, _ = toy_bench
+    assert results["config"]["estimator_warmup"] is None
+    assert "estimator warm-up: none" in format_table(results)
 
 
 def test_run_rows_computes_ratios_and_rates_from_counts() -> None:

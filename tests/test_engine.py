@@ -278,7 +278,7 @@ def test_probes_draft_for_a_few_requests_and_only_where_speculation_could_pay(mo
     import specverify.engine.llm_engine as engine_module
     from specverify.cost_model import CostModel
 
-    monkeypatch.setattr(engine_module, "_WARMUP_LABELS", 0)
+    monkeypatch.setattr(engine_module, "WARMUP_LABELS", 0)
     monkeypatch.setattr(engine_module, "_PROBE_MIN_STREAK", 3)
     monkeypatch.setattr(engine_module, "_EXPLORATION_SHARE", 1e9)  # time is no object here
     tokens = np.array([1.0, 8.0, 64.0])
@@ -388,13 +388,13 @@ def test_warm_up_drafts_the_whole_batch_only_where_speculation_may_pay(drafts_pa
     for i in range(8):
         engine.add_request([i % VOCAB, 1], SamplingParams(temperature=1.0, max_tokens=300, ignore_eos=True))
     drafting_rows, planned = [], []
-    while engine.estimator.n_observed_ < engine_module._WARMUP_LABELS and engine.has_unfinished_requests():
+    while engine.estimator.n_observed_ < engine_module.WARMUP_LABELS and engine.has_unfinished_requests():
         before = engine.stats.drafted_per_position[0] if engine.stats.drafted_per_position else 0
         engine.step()
         assert engine._probing  # warm-up: whole drafts verified
         drafting_rows.append(engine.stats.drafted_per_position[0] - before)
         planned.append(engine.planner.depth)  # what the planner would have done (the prior's view)
-    assert engine.estimator.n_observed_ >= engine_module._WARMUP_LABELS  # the warm-up ended
+    assert engine.estimator.n_observed_ >= engine_module.WARMUP_LABELS  # the warm-up ended
     rows, planned = np.array(drafting_rows), np.array(planned)
     if drafts_pay:
         assert (planned > 0).all() and (rows == 8).all()
@@ -466,7 +466,7 @@ def test_plan_check_adds_up_the_planners_predictions_against_the_measured_steps(
     import specverify.engine.llm_engine as engine_module
     from specverify.cost_model import CostModel
 
-    monkeypatch.setattr(engine_module, "_WARMUP_LABELS", 0)  # every step is the planner's own choice
+    monkeypatch.setattr(engine_module, "WARMUP_LABELS", 0)  # every step is the planner's own choice
     monkeypatch.setattr(engine_module, "_PROBE_MIN_STREAK", 10**9)
     monkeypatch.setattr(engine_module, "_PLAIN_MIN_OBS", 0)  # no plain-step probes either
     monkeypatch.setattr(engine_module, "_PLAIN_PROBE_EVERY", 10**9)

@@ -167,6 +167,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up per mode")
+    p.add_argument(
+        "--warmup-labels",
+        type=int,
+        default=None,
+        help="labels the adaptive mode's estimators learn in an untimed warm-up before the sweep, as a "
+        "server started with --estimator-state has them (default: the engine's warm-up length, 200; 0: "
+        "start cold, the first point pays the exploration)",
+    )
     p.add_argument("--quick", action="store_true", help="a small profile that finishes in about 5 minutes")
     p.add_argument("--output-dir", default="bench-results", help="where results.json and the plots go")
     p.add_argument(
@@ -258,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         warmup_tokens=args.warmup_tokens,
+        **({} if args.warmup_labels is None else {"warmup_labels": args.warmup_labels}),
         max_prefill_tokens=prefill_budget(args),
         kv_cache_memory=args.kv_cache_memory,
     )

@@ -19,6 +19,9 @@ results.json schema (stable: fields may be added, never renamed or removed)
     "top_p": float,                   # applies to temperature > 0 only
     "num_speculative_tokens": int,
     "seed": int, "ignore_eos": bool, "warmup_tokens": int, "warmup_prompts": int,
+    "warmup_labels": int,             # (added) labels the adaptive estimators learnt untimed before the
+                                      # sweep (0: they started cold; absent: files before it, cold)
+    "estimator_warmup": {"labels": {"sampled"|"greedy": int}, "batches": int, "seconds": float} | null,
     "dataset": "humaneval" | "mtbench" | "gsm8k" | "mixed",
     "speculative_config": {"method", "model", "suffix_cache_tokens", "num_speculative_tokens", "estimator"},
     "target": str, "draft": str | null, "dtype": str, "device": str, "threads": int,
@@ -291,6 +294,15 @@ def format_table(results: dict) -> str:
             f"K={cfg.get('num_speculative_tokens')}"
         ),
     )
+    warmup = cfg.get("estimator_warmup")
+    if warmup:
+        labels = ", ".join(f"{kind} {n}" for kind, n in warmup["labels"].items())
+        text.append(
+            f"estimator warm-up before the sweep (untimed): {labels} labels in {warmup['batches']} batches, "
+            f"{warmup['seconds']:.1f} s"
+        )
+    elif "adaptive" in cfg.get("modes", []):
+        text.append("estimator warm-up: none, the adaptive mode's first point paid its exploration")
     for mode, cal in results.get("calibration_by_mode", {}).items():
         text.append(
             f"estimator calibration ({mode} runs, {_fmt(cal.get('labels'), 'd')} labels): "

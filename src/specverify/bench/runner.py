@@ -20,7 +20,9 @@ Every mode gets the same prompts with the same per-prompt seeds (seed by the pro
 point). A mode's result at a point (a run) sums its rounds. The adaptive mode's estimator (and every
 mode's calibration record) is carried from round to round and point to point across every temperature,
 as in one long-running server; one cost model serves every adaptive engine and keeps refining itself. A
-short untimed warm-up generation per mode (at the first temperature) runs before the sweep.
+short untimed warm-up generation per mode (at the first temperature) runs before the sweep, then the
+adaptive mode generates (untimed) until its estimators have `warmup_labels` labels each, as a server
+started from a saved estimator state would (`warmup_labels=0`: the first point pays the exploration).
 
 What stepping in turn cannot pair is a single long step: a prefill of many prompts takes seconds, and
 the machine's speed changes within them. So the engines admit at most `max_prefill_tokens` prompt tokens
@@ -41,10 +43,14 @@ from tqdm.auto import tqdm
 
 from specverify.calibration import RollingCalibration, scores
 from specverify.config import ConfigError, EngineConfig, SpeculativeConfig
-from specverify.engine.llm_engine import EngineStats, LLMEngine, PlanCheck, StepProfile
+from specverify.engine.llm_engine import WARMUP_LABELS, EngineStats, LLMEngine, PlanCheck, StepProfile
 from specverify.sampling_params import SamplingParams
 
 MODES = ("none", "fixed", "adaptive")
+# The estimator warm-up's batches: at most this many per estimator, of at most this many tokens a request.
+_WARMUP_BATCHES = 8
+_WARMUP_BATCH_TOKENS = 64
+_WARMUP_SEED_INDEX = 1_000_000
 
 
 @dataclass
@@ -65,6 +71,10 @@ class BenchConfig:
     ignore_eos: bool = False
     warmup_tokens: int = 8
     warmup_prompts: int = 2
+    # Labels each adaptive estimator (sampled, greedy: those the sweep's temperatures use) has learnt in
+    # the untimed warm-up, as a server started from a saved estimator state has them (0: start cold and
+    # pay the exploration in the first timed point).
+    warmup_labels: int = WARMUP_LABELS
     # Prompt tokens that join an engine's batch per step (EngineConfig.max_prefill_tokens): a round's
     # prompts are prefilled over several short steps, which stepping in turn pairs like decode steps.
     max_prefill_tokens: int | None = 512
@@ -103,6 +113,8 @@ class BenchConfig:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.warmup_tokens < 0:
             raise ConfigError(f"warmup_tokens must be >= 0 (0: no warm-up), got {self.warmup_tokens}")
+        if self.warmup_labels < 0:
+            raise ConfigError(f"warmup_labels must be >= 0 (0: a cold estimator), got {self.warmup_labels}")
         # Reuse SamplingParams' checks so a bad value fails before any model work.
         for t in self.temperatures:
             SamplingParams(temperature=t, top_p=self.top_p, max_tokens=self.max_tokens)
@@ -295,6 +307,8 @@ class BenchRunner:
         if draft is None and base.method == "draft_model" and any(m != "none" for m in config.modes):
             raise ConfigError("modes 'fixed' and 'adaptive' need a draft model (or the suffix drafter)")
         self._estimator_state: dict[str, dict] = {}
+        # What the untimed estimator warm-up did (labels per estimator, batches, seconds); None: none ran.
+        self.estimator_warmup: dict[str, Any] | None = None
         self._calibration: dict[str, BenchCalibration] = {}
         self._rounds_run = 0  # rounds so far over the whole sweep: the mode order changes with it
         # Every timed (temperature, concurrency, round index within the point, mode), in the order run.
@@ -381,20 +395,58 @@ class BenchRunner:
         return elapsed
 
     def warm_up(self, prompts: Sequence[list[int]]) -> None:
-        """A short untimed generation per mode: lazy allocations and kernel choices happen here."""
-        if self.config.warmup_tokens == 0 or self.config.warmup_prompts == 0:
-            return
-        shortest = sorted(prompts, key=len)[: self.config.warmup_prompts]
-        for mode in self.config.modes:
-            engine = self.make_engine(mode, len(shortest))
-            try:
-                self._queue(engine, shortest, self.config.warmup_tokens, self.config.temperatures[0], 0)
-                while engine.has_unfinished_requests():
-                    self._step(engine, _Counts())
-                # Keep what the estimator learnt; calibration is scored on the timed runs only.
-                self._keep_estimator(mode, engine)
-            finally:
-                engine.close()
+        """Untimed, before the sweep: a short generation per mode (lazy allocations and kernel choices
+        happen here), then the adaptive mode's estimators fed until they know the pair."""
+        if self.config.warmup_tokens and self.config.warmup_prompts:
+            shortest = sorted(prompts, key=len)[: self.config.warmup_prompts]
+            for mode in self.config.modes:
+                engine = self.make_engine(mode, len(shortest))
+                try:
+                    self._queue(engine, shortest, self.config.warmup_tokens, self.config.temperatures[0], 0)
+                    while engine.has_unfinished_requests():
+                        self._step(engine, _Counts())
+                    # Keep what the estimator learnt; calibration is scored on the timed runs only.
+                    self._keep_estimator(mode, engine)
+                finally:
+                    engine.close()
+        if "adaptive" in self.config.modes and self.config.warmup_labels:
+            self._warm_estimators(prompts)
+
+    def _warm_estimators(self, prompts: Sequence[list[int]]) -> None:
+        """Generate (untimed, a few requests at a time, cycling through the prompts from the shortest)
+        until the adaptive mode's sampled and greedy estimators, those the sweep uses, each have
+        `warmup_labels` labels or `_WARMUP_BATCHES` batches ran. Cold, every sweep paid the estimator's
+        exploration at its first point (full drafts verified until 200 labels: 11-19 % of that point at
+        c8, where speculation does not pay), which a server pays once in its life."""
+        start = time.perf_counter()
+        by_length = sorted(prompts, key=len)
+        width = max(self.config.warmup_prompts, 2)
+        temperatures = {t > 0: t for t in reversed(self.config.temperatures)}  # the first of each kind
+        labels: dict[str, int] = {}
+        batch = 0
+        for sampled, temperature in sorted(temperatures.items(), reverse=True):
+            kind = "sampled" if sampled else "greedy"
+            for _ in range(_WARMUP_BATCHES):
+                engine = self.make_engine("adaptive", width)
+                try:
+                    estimator = engine.estimator if sampled else engine.greedy_estimator
+                    if estimator is None:  # an engine given one estimator from outside serves both
+                        estimator = engine.estimator
+                    labels[kind] = estimator.n_observed_
+                    if labels[kind] >= self.config.warmup_labels:
+                        break
+                    chosen = [by_length[(batch * width + i) % len(by_length)] for i in range(width)]
+                    max_tokens = min(self.config.max_tokens, _WARMUP_BATCH_TOKENS)
+                    # Seeds apart from the timed runs' (prompt i of a point has seed index i).
+                    self._queue(engine, chosen, max_tokens, temperature, _WARMUP_SEED_INDEX + batch * width)
+                    while engine.has_unfinished_requests():
+                        self._step(engine, _Counts())
+                    labels[kind] = estimator.n_observed_
+                    self._keep_estimator("adaptive", engine)
+                    batch += 1
+                finally:
+                    engine.close()
+        self.estimator_warmup = {"labels": labels, "batches": batch, "seconds": time.perf_counter() - start}
 
     def round_order(self, round_number: int) -> list[str]:
         """The modes in the order they step in the sweep's `round_number`-th round (0-based).
@@ -556,6 +608,7 @@ class BenchRunner:
         headline = next((m for m in ("adaptive", "fixed") if m in self._calibration), None)
         config = asdict(self.config)
         config["dataset"] = self.dataset
+        config["estimator_warmup"] = self.estimator_warmup
         config["speculative_config"] = {
             "method": self.base_spec.method,
             "model": self.base_spec.model,

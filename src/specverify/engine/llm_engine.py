@@ -32,7 +32,7 @@ from specverify.sampling_params import SamplingParams
 # How many recent draft features stand for "the next step's drafts" when choosing the draft depth.
 _FEATURE_MEMORY = 512
 # Labels the estimator must have seen before the planner may skip drafting or leave drafts unverified.
-_WARMUP_LABELS = 200
+WARMUP_LABELS = 200
 # With speculation off, a short fully verified probe (this depth, on at most this many requests: those
 # whose draft has least to catch up) lets a pessimistic estimate be corrected. Every probed request first
 # feeds the draft the tokens it missed, so probes are rationed: the predicted probe time may be at most
@@ -515,7 +515,7 @@ class LLMEngine:
         # while speculation is off, so a pessimistic estimate or a changed workload can still be seen.
         # Both depend only on counters and earlier steps, never on drafts: losslessness is untouched.
         self._probing = any(
-            est.n_observed_ < _WARMUP_LABELS
+            est.n_observed_ < WARMUP_LABELS
             for est, present in ((self.estimator, (~greedy).any()), (self.greedy_estimator, greedy.any()))
             if present
         )
