@@ -400,17 +400,26 @@ class BenchRunner:
         if self.config.warmup_tokens and self.config.warmup_prompts:
             shortest = sorted(prompts, key=len)[: self.config.warmup_prompts]
             for mode in self.config.modes:
-                engine = self.make_engine(mode, len(shortest))
-                try:
-                    self._queue(engine, shortest, self.config.warmup_tokens, self.config.temperatures[0], 0)
-                    while engine.has_unfinished_requests():
-                        self._step(engine, _Counts())
-                    # Keep what the estimator learnt; calibration is scored on the timed runs only.
-                    self._keep_estimator(mode, engine)
-                finally:
-                    engine.close()
+                self._generate_untimed(
+                    mode, shortest, self.config.warmup_tokens, self.config.temperatures[0], 0
+                )
         if "adaptive" in self.config.modes and self.config.warmup_labels:
             self._warm_estimators(prompts)
+
+    def _generate_untimed(
+        self, mode: str, prompts: Sequence[list[int]], max_tokens: int, temperature: float, first_index: int
+    ) -> LLMEngine:
+        """Generate `prompts` on a fresh engine of `mode`, untimed, keeping what its estimator learnt
+        (calibration is scored on the timed runs only); the engine, closed."""
+        engine = self.make_engine(mode, len(prompts))
+        try:
+            self._queue(engine, prompts, max_tokens, temperature, first_index)
+            while engine.has_unfinished_requests():
+                self._step(engine, _Counts())
+            self._keep_estimator(mode, engine)
+        finally:
+            engine.close()
+        return engine
 
     def _warm_estimators(self, prompts: Sequence[list[int]]) -> None:
         """Generate (untimed, a few requests at a time, cycling through the prompts from the shortest)
@@ -421,31 +430,24 @@ class BenchRunner:
         start = time.perf_counter()
         by_length = sorted(prompts, key=len)
         width = max(self.config.warmup_prompts, 2)
+        max_tokens = min(self.config.max_tokens, _WARMUP_BATCH_TOKENS)
         temperatures = {t > 0: t for t in reversed(self.config.temperatures)}  # the first of each kind
         labels: dict[str, int] = {}
         batch = 0
         for sampled, temperature in sorted(temperatures.items(), reverse=True):
             kind = "sampled" if sampled else "greedy"
             for _ in range(_WARMUP_BATCHES):
-                engine = self.make_engine("adaptive", width)
-                try:
-                    estimator = engine.estimator if sampled else engine.greedy_estimator
-                    if estimator is None:  # an engine given one estimator from outside serves both
-                        estimator = engine.estimator
-                    labels[kind] = estimator.n_observed_
-                    if labels[kind] >= self.config.warmup_labels:
-                        break
-                    chosen = [by_length[(batch * width + i) % len(by_length)] for i in range(width)]
-                    max_tokens = min(self.config.max_tokens, _WARMUP_BATCH_TOKENS)
-                    # Seeds apart from the timed runs' (prompt i of a point has seed index i).
-                    self._queue(engine, chosen, max_tokens, temperature, _WARMUP_SEED_INDEX + batch * width)
-                    while engine.has_unfinished_requests():
-                        self._step(engine, _Counts())
-                    labels[kind] = estimator.n_observed_
-                    self._keep_estimator("adaptive", engine)
-                    batch += 1
-                finally:
-                    engine.close()
+                chosen = [by_length[(batch * width + i) % len(by_length)] for i in range(width)]
+                # Seeds apart from the timed runs' (prompt i of a point has seed index i).
+                seeds = _WARMUP_SEED_INDEX + batch * width
+                engine = self._generate_untimed("adaptive", chosen, max_tokens, temperature, seeds)
+                batch += 1
+                estimator = engine.estimator if sampled else engine.greedy_estimator
+                if estimator is None:  # an engine given one estimator from outside serves both kinds
+                    estimator = engine.estimator
+                labels[kind] = estimator.n_observed_
+                if labels[kind] >= self.config.warmup_labels:
+                    break
         self.estimator_warmup = {"labels": labels, "batches": batch, "seconds": time.perf_counter() - start}
 
     def round_order(self, round_number: int) -> list[str]:
