@@ -3,11 +3,12 @@
 Notation for one step with R running requests: p[r, k] = P(accept slot k | slots < k accepted) from the
 estimator; survival s[r, k] = prod_{i<=k} p[r, i] = P(slot k is accepted). Verifying a set S of slots
 yields R + sum_{(r,k) in S} s[r,k] expected tokens (every request gets one target token) and costs
-D draft forwards (the first reads what the last step left, up to 2R tokens) + target_time(R + |S|). In the steady state the planner maximises expected tokens per
-second; that best rate lambda (the value of a second) then prices what a single step must pay on top: the
-draft's catch-up (tokens it has not consumed yet: a new prompt, or what it missed while speculation was
-off; amortised over the steps the requests still have) and prefill (shared by every option). A step's
-choice maximises tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
+D draft forwards (the first reads what the last step left, up to 2R tokens) + target_time(R + |S|).
+In the steady state the planner maximises expected tokens per second; that best rate lambda (the value
+of a second) then prices what a single step must pay on top: the draft's catch-up (tokens it has not
+consumed yet: a new prompt, or what it missed while speculation was off; amortised over the steps the
+requests still have) and prefill (shared by every option). A step's choice maximises
+tokens - lambda * seconds, which equals the rate rule when there is nothing on top.
 
 The plan's depth prices whether speculation pays and fixes tau; how deep each request drafts is then
 `should_continue`'s call, up to K. The plan rests on survivals pooled over recent steps, extrapolated past
@@ -286,9 +287,7 @@ class AdaptivePlanner:
         lag = None if draft_feed_tokens is None else min(int(draft_feed_tokens), 2 * r_count)
         steady, steady_tokens, *_ = self._plan(r_count, depths, pooled, context_tokens, draft_feed=lag)
         self.value_of_time = float(steady.max())
-        # No cap: a catch-up refused for paying back after more than 16 steps grew a token each plain
-        # step, and kept whole requests plain at one request where speculation ran 1.19x plain.
-        horizon = 1.0
+        horizon = 1.0  # uncapped: a 16-step cap kept whole requests plain at c1 (8a97df9)
         if remaining_tokens is not None:
             per_step = float(steady_tokens[1:].max()) / r_count  # tokens per request and step, drafting
             horizon = max(1.0, float(remaining_tokens) / max(per_step, 1.0))
