@@ -322,6 +322,15 @@ def test_a_cold_sweep_says_so(toy_bench) -> None:
     assert "estimator warm-up: none" in format_table(results)
 
 
+def test_full_steps_are_the_decode_steps_with_every_lane_taken(tmp_path: Path) -> None:
+    """Three prompts in two lanes, plain decoding: the first pair's decode steps are full (one prompt
+    waits), their prefill step is not (a decode step), nor are the third prompt's, run alone."""
+    results, _ = run_toy_bench(tmp_path, modes=("none",), concurrencies=(2,), num_prompts=3, max_tokens=8)
+    (run,) = results["runs"]
+    assert run["output_tokens"] == 3 * 8 and run["full_tokens"] == 2 * 7
+    assert 0 < run["full_s"] < run["decode_s"]
+
+
 def test_run_rows_computes_ratios_and_rates_from_counts() -> None:
     base = {"dataset": "x", "wall_s": 1.0, "steps": 10, "step_s": 1.0}
     runs = [
@@ -337,6 +346,7 @@ def test_run_rows_computes_ratios_and_rates_from_counts() -> None:
             request_steps=40,
             planning_s=0.0,
             decode_tokens_per_s=50.0,
+            full_tokens_per_s=40.0,
         ),
         dict(
             base,
@@ -364,6 +374,7 @@ def test_run_rows_computes_ratios_and_rates_from_counts() -> None:
             request_steps=20,
             planning_s=0.05,
             decode_tokens_per_s=100.0,
+            full_tokens_per_s=30.0,
         ),
         dict(
             base,
@@ -387,6 +398,8 @@ def test_run_rows_computes_ratios_and_rates_from_counts() -> None:
     assert adaptive["planning_overhead"] == pytest.approx(0.05)
     assert adaptive["decode_speedup_vs_none"] == pytest.approx(2.0)
     assert fixed["decode_speedup_vs_none"] is None  # no decode figure for fixed
+    assert adaptive["full_speedup_vs_none"] == pytest.approx(0.75)
+    assert fixed["full_speedup_vs_none"] is None and lone["full_speedup_vs_none"] is None
     assert fixed["mean_tokens_per_step"] == 3.0
     assert fixed["acceptance_per_position"] == [0.75, 0.5]
     # No baseline at that concurrency: no ratio rather than a wrong one.
@@ -658,6 +671,13 @@ def test_a_pool_keeps_concurrency_requests_in_flight_and_refills_as_they_finish(
             assert any(not any(f <= b for b in blocks) for f in map(set, flights))
     for run in results["runs"]:
         assert run["rounds"] == 1 and run["output_tokens"] == 4 * 8
+        # Full steps: decode steps with both lanes taken. Plain decoding keeps pairs in step, so every
+        # decode step is full; speculation desynchronises them, and a request may end the pool alone.
+        if run["mode"] == "none":
+            assert run["full_tokens"] == run["decode_tokens"]
+        assert 0 < run["full_tokens"] <= run["decode_tokens"]
+        assert 0 < run["full_s"] <= run["decode_s"]
+        assert run["full_tokens_per_s"] == pytest.approx(run["full_tokens"] / run["full_s"])
 
 
 def test_every_mode_gets_the_same_prompts_and_seeds_in_every_round(round_robin_bench) -> None:

@@ -407,3 +407,21 @@ def test_drafts_verified_beside_a_prefill_cost_what_they_add_to_that_forward() -
     decode.choose_draft_depth(4, p)
     prefill.choose_draft_depth(4, p, target_feed_tokens=4 + 96)
     assert 0 < prefill.planned_budget < decode.planned_budget
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_without_a_catch_up_the_horizon_and_the_joining_batch_change_nothing(seed: int) -> None:
+    """The horizon only spreads a draft catch-up; where the draft reads no more than what every
+    speculative step leaves it (2R), the plan is the same whatever the remaining tokens and the batch
+    the waiting requests would make (the planner then skips the plans that price them)."""
+    rng = np.random.default_rng(seed)
+    planner = AdaptivePlanner(cpu_like_cost(), K)
+    warm(planner, rng, 4)
+    for r in (1, 4, 16):
+        p = rng.uniform(0.5, 0.95, size=K)
+        for feed in (None, r, 2 * r):
+            plain = planner.choose_draft_depth(r, p, draft_feed_tokens=feed)
+            plan = (plain, planner.threshold, planner.expected_seconds, planner.expected_tokens)
+            planner.choose_draft_depth(r, p, draft_feed_tokens=feed, remaining_tokens=64, steady_requests=32)
+            after = (planner.depth, planner.threshold, planner.expected_seconds, planner.expected_tokens)
+            assert after == plan

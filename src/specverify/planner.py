@@ -288,26 +288,23 @@ class AdaptivePlanner:
         steady, steady_tokens, *_ = self._plan(r_count, depths, pooled, context_tokens, draft_feed=lag)
         self.value_of_time = float(steady.max())
         horizon = 1.0  # uncapped: a 16-step cap kept whole requests plain at c1 (8a97df9)
-        if remaining_tokens is not None:
+        catchup = lag is not None and self.cost.draft_time(draft_feed_tokens) != self.cost.draft_time(lag)
+        if remaining_tokens is not None and catchup:  # the horizon only spreads a catch-up (see _plan)
             per_step = float(steady_tokens[1:].max()) / r_count  # tokens per request and step, drafting
             horizon = max(1.0, float(remaining_tokens) / max(per_step, 1.0))
-        # Would speculation pay in the steady state at the batch the joining requests make, each paying
-        # its draft catch-up over the horizon (the joining ones taken to lag like these)? If not, no
-        # later step reuses this step's catch-up: it is charged whole. Without the catch-up here, the
-        # first prefill step of a burst speculated (the steady state at 8 said drafting won by a hair),
-        # then the catch-up of the rest kept every later step plain: 1.2 s of draft prefill wasted.
-        coming = r_count if steady_requests is None else max(int(steady_requests), r_count)
-        scale = coming / r_count
-        later, *_ = self._plan(
-            coming,
-            depths,
-            pooled,
-            int(context_tokens * scale),
-            draft_feed=None if draft_feed_tokens is None else int(draft_feed_tokens * scale),
-            horizon=horizon,
-        )
-        if not self._speculation_wins(later):
-            horizon = 1.0
+            # Would speculation pay in the steady state at the batch the joining requests make, each
+            # paying its catch-up over the horizon (the joining ones taken to lag like these)? If not, no
+            # later step reuses this step's catch-up: it is charged whole. Without this, the first prefill
+            # step of a burst speculated (the steady state at 8 said drafting won by a hair), then the
+            # catch-up of the rest kept every later step plain: 1.2 s of draft prefill wasted.
+            coming = r_count if steady_requests is None else max(int(steady_requests), r_count)
+            scale = coming / r_count
+            draft_feed = int(draft_feed_tokens * scale)
+            later, *_ = self._plan(
+                coming, depths, pooled, int(context_tokens * scale), draft_feed=draft_feed, horizon=horizon
+            )
+            if not self._speculation_wins(later):
+                horizon = 1.0
         score, tokens, budget, thresholds, seconds = self._plan(
             r_count,
             depths,

@@ -93,7 +93,8 @@ def _kept_support(
     while pending.numel():
         cut_k = top_k[pending][top_k[pending] < vocab]
         width = min(vocab, max(width, int(cut_k.max()) if cut_k.numel() else 0))
-        values, tokens = torch.topk(z[pending], width, dim=1)
+        rows_left = z if pending.numel() == z.shape[0] else z[pending]  # no [R, V] copy on the first pass
+        values, tokens = torch.topk(rows_left, width, dim=1)
         p = torch.exp(values.double() - lse[pending, None])
         in_k = torch.arange(width, device=device)[None, :] < top_k[pending, None]
         p = p * in_k

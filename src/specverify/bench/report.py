@@ -86,6 +86,11 @@ results.json schema (stable: fields may be added, never renamed or removed)
       "decode_tokens_per_s": float | null,        # decode_tokens / decode_s: throughput without prefill
       "decode_speedup_vs_none": float | null,     # decode_tokens_per_s / that of mode none, same
                                                   # temperature and concurrency
+      "full_tokens": int, "full_s": float,        # (added) tokens and seconds of the decode steps
+                                                  # with every lane taken: steady decoding, without
+                                                  # the pool's drain
+      "full_tokens_per_s": float | null,          # full_tokens / full_s
+      "full_speedup_vs_none": float | null,       # full_tokens_per_s / that of mode none, same point
       "speedup_vs_none": float | null,            # tokens_per_s / that of mode none, same temperature
                                                   # and concurrency
       "speedup_vs_fixed": float | null            # tokens_per_s / that of mode fixed, same temperature
@@ -152,7 +157,12 @@ def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each run's dict plus the derived fields (ratios to none / fixed at the same temperature and
     concurrency, rates)."""
     baseline = {(r["mode"], *_point(r)): r["tokens_per_s"] for r in runs}
-    decode = {(r["mode"], *_point(r)): r.get("decode_tokens_per_s") for r in runs}
+
+    def vs_none(r: dict[str, Any], key: str) -> float | None:
+        """r[key] over mode none's at the same point (None where either is missing)."""
+        none = next((n.get(key) for n in runs if n["mode"] == "none" and _point(n) == _point(r)), None)
+        return _ratio(r[key], none) if none and r.get(key) is not None else None
+
     rows = []
     for r in runs:
         row = dict(r)
@@ -170,12 +180,8 @@ def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         none, fixed = baseline.get(("none", *point)), baseline.get(("fixed", *point))
         row["speedup_vs_none"] = _ratio(r["tokens_per_s"], none) if none is not None else None
         row["speedup_vs_fixed"] = _ratio(r["tokens_per_s"], fixed) if fixed is not None else None
-        decode_none = decode.get(("none", *point))
-        row["decode_speedup_vs_none"] = (
-            _ratio(r["decode_tokens_per_s"], decode_none)
-            if decode_none and r.get("decode_tokens_per_s") is not None
-            else None
-        )
+        row["decode_speedup_vs_none"] = vs_none(r, "decode_tokens_per_s")
+        row["full_speedup_vs_none"] = vs_none(r, "full_tokens_per_s")
         rows.append(row)
     return rows
 
@@ -241,6 +247,8 @@ def format_table(results: dict) -> str:
         "x fixed",
         "decode tok/s",
         "dec x none",
+        "full tok/s",
+        "full x none",
         "tok/step",
         "ver/draft",
         "acc/ver",
@@ -260,6 +268,8 @@ def format_table(results: dict) -> str:
                 _fmt(r["speedup_vs_fixed"], ".2f"),
                 _fmt(r["decode_tokens_per_s"], ".2f"),
                 _fmt(r["decode_speedup_vs_none"], ".2f"),
+                _fmt(r.get("full_tokens_per_s"), ".2f"),
+                _fmt(r.get("full_speedup_vs_none"), ".2f"),
                 _fmt(r["mean_tokens_per_step"], ".2f"),
                 _fmt(r["verified_over_drafted"], ".2f"),
                 _fmt(r["acceptance_rate"], ".2f"),
@@ -280,7 +290,8 @@ def format_table(results: dict) -> str:
     text.append(
         "T: temperature (0: greedy). tok/s: output tokens over the mode's own step time (the modes step in "
         "turn), prefill included; decode tok/s: "
-        "steps without prefill only. x none / x fixed: ratio to that mode at the same temperature and "
+        "steps without prefill only; full tok/s: decode steps with every lane taken (steady decoding, "
+        "without the pool's drain, where the slowest requests finish with lanes empty). x none / x fixed: ratio to that mode at the same temperature and "
         "concurrency. tok/step: tokens per request per step. plan %: planner time over step time."
     )
     text.extend(["", *format_profile(results)])

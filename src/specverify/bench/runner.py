@@ -167,6 +167,12 @@ class RunResult:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_tokens_per_s: float | None = None
+    # Decode steps with every lane taken: a server's steady decoding at this concurrency, without the
+    # pool's drain (its slowest requests finishing with lanes empty) and without prefill, which costs
+    # every mode the same per prompt but falls inside or outside this window by when lanes free up.
+    full_tokens: int = 0
+    full_s: float = 0.0
+    full_tokens_per_s: float | None = None
     rounds: int = 1  # rounds this run's figures sum (1: one pool)
     # Adaptive only: the planner's predicted vs measured seconds and tokens of the steps it chose,
     # {"speculative" | "plain": {steps, predicted_seconds, measured_seconds, expected_tokens, tokens}}.
@@ -186,6 +192,8 @@ class _Counts:
     prefill_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    full_tokens: int = 0
+    full_s: float = 0.0
 
 
 @dataclass
@@ -375,8 +383,10 @@ class BenchRunner:
             engine.add_request(ids, self._params(i, max_tokens, temperature))
 
     @staticmethod
-    def _step(engine: LLMEngine, counts: _Counts, bar: Any = None) -> float:
-        """One engine step, counted into `counts` (prefill and decode steps timed apart); its seconds."""
+    def _step(engine: LLMEngine, counts: _Counts, bar: Any = None, lanes: int = 0) -> float:
+        """One engine step, counted into `counts` (prefill and decode steps timed apart, and the decode
+        steps with all `lanes` taken); its seconds."""
+        full = lanes > 0 and engine.num_running + engine.num_waiting >= lanes
         start = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - start
@@ -389,6 +399,9 @@ class BenchRunner:
         else:
             counts.decode_tokens += tokens
             counts.decode_s += elapsed
+            if full:
+                counts.full_tokens += tokens
+                counts.full_s += elapsed
         counts.by_length += sum(out.finished and out.finish_reason == "length" for out in outputs)
         if bar is not None:
             bar.update(tokens)
@@ -490,7 +503,7 @@ class BenchRunner:
             live = list(order)
             while live:
                 for mode in live:
-                    seconds[mode] += self._step(engines[mode], counts[mode], bar)
+                    seconds[mode] += self._step(engines[mode], counts[mode], bar, concurrency)
                 live = [m for m in live if engines[m].has_unfinished_requests()]
             for mode in order:
                 self._keep_estimator(mode, engines[mode])
@@ -541,6 +554,8 @@ class BenchRunner:
         wall = float(total(lambda r: r.wall_s))
         decode_tokens = int(total(lambda r: r.counts.decode_tokens))
         decode_s = float(total(lambda r: r.counts.decode_s))
+        full_tokens = int(total(lambda r: r.counts.full_tokens))
+        full_s = float(total(lambda r: r.counts.full_s))
         return RunResult(
             mode=mode,
             concurrency=concurrency,
@@ -566,6 +581,9 @@ class BenchRunner:
             decode_tokens=decode_tokens,
             decode_s=decode_s,
             decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
+            full_tokens=full_tokens,
+            full_s=full_s,
+            full_tokens_per_s=full_tokens / full_s if full_s > 0 else None,
             rounds=len(rounds),
             plan_check=_sum_plan_checks([r.stats for r in rounds]) if mode == "adaptive" else None,
             profile=_sum_profiles([r.stats for r in rounds]),
