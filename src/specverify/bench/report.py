@@ -157,10 +157,11 @@ def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each run's dict plus the derived fields (ratios to none / fixed at the same temperature and
     concurrency, rates)."""
     baseline = {(r["mode"], *_point(r)): r["tokens_per_s"] for r in runs}
+    nones = {_point(r): r for r in runs if r["mode"] == "none"}
 
     def vs_none(r: dict[str, Any], key: str) -> float | None:
         """r[key] over mode none's at the same point (None where either is missing)."""
-        none = next((n.get(key) for n in runs if n["mode"] == "none" and _point(n) == _point(r)), None)
+        none = nones.get(_point(r), {}).get(key)
         return _ratio(r[key], none) if none and r.get(key) is not None else None
 
     rows = []
@@ -291,8 +292,8 @@ def format_table(results: dict) -> str:
         "T: temperature (0: greedy). tok/s: output tokens over the mode's own step time (the modes step in "
         "turn), prefill included; decode tok/s: "
         "steps without prefill only; full tok/s: decode steps with every lane taken (steady decoding, "
-        "without the pool's drain, where the slowest requests finish with lanes empty). x none / x fixed: ratio to that mode at the same temperature and "
-        "concurrency. tok/step: tokens per request per step. plan %: planner time over step time."
+        "without the pool's drain, where the slowest requests finish with lanes empty). x none / x fixed: "
+        "ratio to that mode at the same temperature and concurrency. tok/step: tokens per request per step. plan %: planner time over step time."
     )
     text.extend(["", *format_profile(results)])
     cfg = results.get("config", {})
