@@ -156,18 +156,16 @@ def _point(run: dict[str, Any]) -> tuple[Any, int]:
 def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each run's dict plus the derived fields (ratios to none / fixed at the same temperature and
     concurrency, rates)."""
-    baseline = {(r["mode"], *_point(r)): r["tokens_per_s"] for r in runs}
-    nones = {_point(r): r for r in runs if r["mode"] == "none"}
+    by_mode = {(r["mode"], *_point(r)): r for r in runs}
 
-    def vs_none(r: dict[str, Any], key: str) -> float | None:
-        """r[key] over mode none's at the same point (None where either is missing)."""
-        none = nones.get(_point(r), {}).get(key)
-        return _ratio(r[key], none) if none and r.get(key) is not None else None
+    def versus(r: dict[str, Any], mode: str, key: str) -> float | None:
+        """r[key] over `mode`'s at the same point (None where either is missing or zero)."""
+        other = by_mode.get((mode, *_point(r)), {}).get(key)
+        return _ratio(r[key], other) if other and r.get(key) is not None else None
 
     rows = []
     for r in runs:
         row = dict(r)
-        point = _point(r)
         row["mean_tokens_per_step"] = _ratio(r["output_tokens"], r.get("request_steps", 0))
         row["verified_over_drafted"] = _ratio(r["verified_tokens"], r["drafted_tokens"])
         row["acceptance_rate"] = _ratio(r["accepted_tokens"], r["verified_tokens"])
@@ -178,11 +176,10 @@ def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         ]
         row["planning_overhead"] = _ratio(r.get("planning_s", 0.0), r.get("step_s", 0.0))
-        none, fixed = baseline.get(("none", *point)), baseline.get(("fixed", *point))
-        row["speedup_vs_none"] = _ratio(r["tokens_per_s"], none) if none is not None else None
-        row["speedup_vs_fixed"] = _ratio(r["tokens_per_s"], fixed) if fixed is not None else None
-        row["decode_speedup_vs_none"] = vs_none(r, "decode_tokens_per_s")
-        row["full_speedup_vs_none"] = vs_none(r, "full_tokens_per_s")
+        row["speedup_vs_none"] = versus(r, "none", "tokens_per_s")
+        row["speedup_vs_fixed"] = versus(r, "fixed", "tokens_per_s")
+        row["decode_speedup_vs_none"] = versus(r, "none", "decode_tokens_per_s")
+        row["full_speedup_vs_none"] = versus(r, "none", "full_tokens_per_s")
         rows.append(row)
     return rows
 
