@@ -205,6 +205,23 @@ def test_should_continue_stops_hopeless_requests_and_at_k() -> None:
     assert cheap.should_continue(np.full(8, 0.5), 1).all()
 
 
+def test_should_continue_looks_past_a_bump_in_the_cost_curve() -> None:
+    # The CPU's shape at one request: the int4 kernel up to 6 verified tokens, then one dear step to bf16
+    # (7 ms) and ~1 ms per token after. Slot 6's own gain (0.9 ** 6 = 0.53 tokens) is below what 7 ms
+    # buy at the plan's rate (~0.8 tokens), but the ten slots after it are cheap: drafting goes on. With
+    # every token as dear as the bump, it stops.
+    tokens = np.array([1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32], dtype=float)
+    bumpy = np.array([34, 38, 42, 46, 50, 54, 61, 62, 66, 70, 80, 90], dtype=float) / 1e3
+    steep = np.concatenate([bumpy[:6], 0.054 + 0.007 * (tokens[6:] - 6)])
+    k, p = 16, np.full(16, 0.9)
+    for times, goes_on in ((bumpy, True), (steep, False)):
+        planner = AdaptivePlanner(CostModel(tokens, times), k)  # no draft curve: a drafter that costs nothing
+        planner.choose_draft_depth(1, p)
+        one_slot_cost = planner.cost.target_time(7) - planner.cost.target_time(6)
+        assert 0.9**6 < planner.value_of_time * one_slot_cost  # a one-slot rule would stop here
+        assert planner.should_continue(np.array([0.9**5]), 5).tolist() == [goes_on]
+
+
 # ---- edge cases -------------------------------------------------------------------------------------------
 
 
