@@ -382,9 +382,7 @@ class AdaptivePlanner:
         survival drafting j more slots each gain s * (p_next + p_next * p_after + ...) (the recent mean
         acceptance per position) and cost j draft forwards over m plus m * j more verified tokens. With
         the plan's rate lambda, the (m, j) maximising gain - lambda * cost decides: its m requests draft
-        the next slot. Looking past one slot matters where the cost curve is not convex: on the CPU the
-        5th verified token crosses from the int4 kernel to bf16 (6.6 ms) and the next ten cost 2.7 ms
-        each, so a one-slot rule stopped suffix drafts at 4 that K=16 verified whole at twice the rate.
+        the next slot (one slot alone stopped at the CPU's int4-to-bf16 jump, cheap slots behind it).
         Reads only survivals so far and earlier steps (lossless)."""
         s = np.clip(np.nan_to_num(np.asarray(survival_so_far, dtype=np.float64).ravel(), nan=0.0), 0.0, 1.0)
         n = s.size
