@@ -7,7 +7,8 @@ records the batch size, the chosen depth, whether it was a warm-up / probe step,
 predicted seconds and tokens, the cost model's plain and target predictions at this batch size, its
 shared drift and per-curve levels, the planner's value of time and gain factor, the slots verified,
 the planner's inputs (tokens each model had to consume first, the batch once waiting requests join) with
-the predicted draft catch-up and prefill, and every forward the cost model was fed ([curve, tokens,
+the predicted draft catch-up and prefill, each per-slot draft-on decision ([slot, survivals, last
+acceptances, drafts on]), and every forward the cost model was fed ([curve, tokens,
 seconds]).
 Use it to see why the planner chose what it did where a point of the sweep disappoints.
 """
@@ -31,6 +32,7 @@ def main() -> int:
     log = open(sys.argv[1], "w")  # noqa: SIM115 - open for the whole run
     step = LLMEngine.step
     choose = AdaptivePlanner.choose_draft_depth
+    keep_on = AdaptivePlanner.should_continue
     observe_draft = CostModel.observe_draft
     observe_target = CostModel.observe_target
     observe_plain = CostModel.observe_plain
@@ -52,6 +54,19 @@ def main() -> int:
             prefill = cost.plain_time(inputs["target_feed"]) - cost.plain_time(num_requests)
             inputs["prefill_predicted"] = round(float(prefill), 4)
         return choose(planner, num_requests, *args, **kwargs)
+
+    def logged_continue(planner: AdaptivePlanner, survival_so_far, depth_done: int, *args, **kwargs):
+        goes_on = keep_on(planner, survival_so_far, depth_done, *args, **kwargs)
+        last = kwargs.get("last_acceptance")
+        inputs.setdefault("slots", []).append(
+            [
+                depth_done,
+                [round(float(x), 3) for x in survival_so_far],
+                None if last is None else [round(float(x), 3) for x in last],
+                [bool(x) for x in goes_on],
+            ]
+        )
+        return goes_on
 
     def logged(kind: str, original):
         def observe(cost: CostModel, tokens: int, seconds: float, *args):
@@ -93,6 +108,7 @@ def main() -> int:
 
     LLMEngine.step = logged_step
     AdaptivePlanner.choose_draft_depth = logged_choose
+    AdaptivePlanner.should_continue = logged_continue
     CostModel.observe_draft = logged("draft", observe_draft)
     CostModel.observe_target = logged("target", observe_target)
     CostModel.observe_plain = logged("plain", observe_plain)

@@ -222,6 +222,19 @@ def test_should_continue_looks_past_a_bump_in_the_cost_curve() -> None:
         assert planner.should_continue(np.array([0.9**5]), 5).tolist() == [goes_on]
 
 
+def test_should_continue_extrapolates_each_requests_own_acceptance() -> None:
+    # A long suffix match keeps being accepted (~0.95 a slot) while the mean acceptance per position is
+    # poor (0.5): with each request's last acceptance carried forward, the matched request drafts on and
+    # the one that just drafted a doubtful slot stops; with the mean alone, both stop.
+    tokens = np.array([1, 2, 4, 8, 16, 32], dtype=float)
+    k = 16
+    planner = AdaptivePlanner(CostModel(tokens, 0.034 + 0.01 * (tokens - 1)), k)
+    planner.choose_draft_depth(2, np.full(k, 0.5))
+    s = np.array([0.95**4, 0.95**3 * 0.3])
+    assert planner.should_continue(s, 4).tolist() == [False, False]
+    assert planner.should_continue(s, 4, last_acceptance=np.array([0.95, 0.3])).tolist() == [True, False]
+
+
 # ---- edge cases -------------------------------------------------------------------------------------------
 
 

@@ -374,28 +374,39 @@ class AdaptivePlanner:
         expected_p: np.ndarray | None = None,
         num_tokens_so_far: int | None = None,
         max_depth: int | None = None,
+        last_acceptance: np.ndarray | None = None,
     ) -> np.ndarray:
         """Per request (of those still drafting), whether to draft slot `depth_done` (0-based; i.e. the
         (depth_done+1)-th).
 
-        `survival_so_far[r]` = s[r, depth_done - 1] (1 for depth_done = 0). The m requests with the most
-        survival drafting j more slots each gain s * (p_next + p_next * p_after + ...) (the recent mean
-        acceptance per position) and cost j draft forwards over m plus m * j more verified tokens. With
-        the plan's rate lambda, the (m, j) maximising gain - lambda * cost decides: its m requests draft
-        the next slot (one slot alone stopped at the CPU's int4-to-bf16 jump, cheap slots behind it).
-        Reads only survivals so far and earlier steps (lossless)."""
+        `survival_so_far[r]` = s[r, depth_done - 1] (1 for depth_done = 0). A request drafting j more
+        slots gains s * (p + p^2 + ... + p^j), p its `last_acceptance` (the predicted acceptance of the
+        slot it just drafted: a long suffix match stays accepted) or, without it, the recent mean
+        acceptance per position. The m requests that gain most from j slots cost j draft forwards over m
+        plus m * j more verified tokens. With the plan's rate lambda, the (m, j) maximising
+        gain - lambda * cost decides: its m requests draft the next slot (one slot alone stopped at the
+        CPU's int4-to-bf16 jump, cheap slots behind it). Reads only slots drafted so far and earlier
+        steps (lossless)."""
         s = np.clip(np.nan_to_num(np.asarray(survival_so_far, dtype=np.float64).ravel(), nan=0.0), 0.0, 1.0)
         n = s.size
         limit = self.k if max_depth is None else min(int(max_depth), self.k)
         if n == 0 or depth_done >= limit or depth_done < 0:
             return np.zeros(n, dtype=bool)
         p = self._clean_expected(expected_p) if expected_p is not None else self.expected_p
-        # Expected tokens per unit of survival from the next j slots, j = 1 .. limit - depth_done.
-        reach = np.cumsum(np.cumprod(p[depth_done:limit])) * self.gain_factor
-        order = np.argsort(-s, kind="stable")
-        s_cum = np.concatenate([[0.0], np.cumsum(s[order])])
+        ahead = p[depth_done:limit]
+        if last_acceptance is None:
+            future = np.broadcast_to(ahead, (n, ahead.size))
+        else:  # each request's next slots are accepted as its last one was
+            own = np.clip(np.nan_to_num(np.asarray(last_acceptance, dtype=np.float64).ravel()), 0.0, 1.0)
+            future = np.repeat(own[:, None], ahead.size, axis=1)
+        # Expected tokens from the next j slots, j = 1 .. limit - depth_done, per request: [n, J].
+        gain = s[:, None] * np.cumsum(np.cumprod(future, axis=1), axis=1) * self.gain_factor
+        order = np.argsort(-gain, axis=0, kind="stable")  # best requests first, for each j
+        gain_cum = np.concatenate(
+            [np.zeros((1, ahead.size)), np.cumsum(np.take_along_axis(gain, order, 0), 0)]
+        )
         m = np.arange(n + 1)[:, None]
-        j = np.arange(1, reach.size + 1)[None, :]
+        j = np.arange(1, ahead.size + 1)[None, :]
         r_all = max(self.num_requests, n)
         base = (
             r_all + depth_done * n + self.prefill_tokens
@@ -411,11 +422,11 @@ class AdaptivePlanner:
         rate = self.value_of_time
         if rate <= 0.0:  # no plan yet: compare with plain decoding
             rate = r_all / max(float(self.cost.plain_time(r_all)), 1e-12)
-        value = s_cum[:, None] * reach[None, :] - rate * cost
-        best = int(np.argmax(value.max(axis=1)))
+        value = gain_cum - rate * cost
+        best_m, best_j = np.unravel_index(int(np.argmax(value)), value.shape)
         out = np.zeros(n, dtype=bool)
-        out[order[:best]] = True
-        return out & (s * p[depth_done] > 0.0)
+        out[order[:best_m, best_j]] = True
+        return out & (gain[:, 0] > 0.0)
 
     def admit(self, survival: np.ndarray, threshold: float | None = None) -> np.ndarray:
         """Verified slots per request (a prefix): slot k of r is verified iff s[r, j] >= tau for all j <= k.

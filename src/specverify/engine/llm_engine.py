@@ -721,7 +721,9 @@ class LLMEngine:
                 p = self._predict(features[active, : k + 1], greedy[active])[:, k]
                 survival[active, k] = (survival[active, k - 1] if k else 1.0) * p
                 if not self._probing:  # warm-up and probes draft their whole depth: uncensored labels
-                    keep_going[active] = self.planner.should_continue(survival[active, k], k + 1)
+                    keep_going[active] = self.planner.should_continue(
+                        survival[active, k], k + 1, last_acceptance=p
+                    )
                 self.stats.planning_seconds_total += time.perf_counter() - start
             if self.draft is not None:
                 draft_timings.append((sum(map(len, feeds)), time.perf_counter() - draft_start))
