@@ -398,7 +398,7 @@ class AdaptivePlanner:
             future = np.broadcast_to(ahead, (n, ahead.size))
         else:  # each request's next slots are accepted as its last one was
             own = np.clip(np.nan_to_num(np.asarray(last_acceptance, dtype=np.float64).ravel()), 0.0, 1.0)
-            future = np.repeat(own[:, None], ahead.size, axis=1)
+            future = np.broadcast_to(own[:, None], (n, ahead.size))
         # Expected tokens from the next j slots, j = 1 .. limit - depth_done, per request: [n, J].
         gain = s[:, None] * np.cumsum(np.cumprod(future, axis=1), axis=1) * self.gain_factor
         order = np.argsort(-gain, axis=0, kind="stable")  # best requests first, for each j
