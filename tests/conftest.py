@@ -129,10 +129,12 @@ def write_tiny_gguf(
     architecture: str | None = None,
     omit: tuple[str, ...] = (),
     q4k: dict[str, np.ndarray] | None = None,
+    q6k: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write `model` (a tiny transformers Llama/Qwen2) as an F32 GGUF with llama.cpp's tensor names and,
     for llama, its Q/K permutation. `architecture` overrides general.architecture; `omit` drops tensors;
-    `q4k` gives raw Q4_K blocks ([rows, row length / 256 * 144] bytes) for some tensors instead."""
+    `q4k` gives raw Q4_K blocks ([rows, row length / 256 * 144] bytes) for some tensors instead, `q6k`
+    raw Q6_K blocks ([rows, row length / 256 * 210] bytes)."""
     import gguf
 
     cfg = model.config
@@ -185,6 +187,9 @@ def write_tiny_gguf(
             continue
         if q4k and gguf_name in q4k:
             writer.add_tensor(gguf_name, q4k[gguf_name], raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            continue
+        if q6k and gguf_name in q6k:
+            writer.add_tensor(gguf_name, q6k[gguf_name], raw_dtype=gguf.GGMLQuantizationType.Q6_K)
             continue
         array = tensor.detach().float().numpy().copy()
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):

@@ -50,7 +50,9 @@ def load_models(
     (see `draft_vocab.py`); `draft_quantization` ("int4", "int8"): the draft's small-batch matmuls run
     on quantized weights (see `models/quant.py`). `target_int4_rows` (None: the environment's
     SPECVERIFY_TARGET_INT4_ROWS, else 4; 0: never): target forwards over at most that many rows run the
-    GGUF file's own Q4_K weights through the int4 kernel (see `LlamaModel.use_int4_groups`)."""
+    GGUF file's own Q4_K weights through the int4 kernel, and its Q6_K ones through `models/ggml.py`'s
+    kernel where it builds (see `LlamaModel.use_checkpoint_codes`)."""
+    from specverify.models.ggml import Q6K_ROWS
     from specverify.models.loader import load_runner, model_name
 
     if target_int4_rows is None:
@@ -70,6 +72,8 @@ def load_models(
     target_name = model_name(str(target_path))
     if target.model.int4_weights():
         target_name += f" (Q4_K int4 <= {target_int4_rows} rows)"  # keys cached cost profiles apart
+    if target.model.q6k_weights():
+        target_name += f" (Q6_K kernel <= {min(target_int4_rows, Q6K_ROWS)} rows)"
     draft = draft_name = None
     if speculative:
         draft_path = resolve_model_path(draft_model, "draft")

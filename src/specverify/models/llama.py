@@ -17,8 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ggml import Q6K_ROWS, Q6KBlocks, Q6KWeight, q6k_kernels
 from .model_config import ModelConfig
 from .quant import Int4Groups, QuantizedWeight, quantizable
+
+# Weights with a quantized copy for forwards over at most `max_rows` rows, beside their dense path.
+ROW_LIMITED = (QuantizedWeight, Q6KWeight)
 
 # KV caches grow in blocks of this many positions (copying the cache each time: one copy per 256 decoded
 # tokens costs well under 1 % of decoding; doubling would leave up to half of a cache unused and uncounted).
@@ -128,9 +132,11 @@ class PackedWeight:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | PackedWeight | QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | PackedWeight | QuantizedWeight | Q6KWeight,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, ROW_LIMITED):
         if x.shape[0] <= weight.max_rows:
             return weight.matmul(x, bias)
         weight = weight.dense  # more rows: the bf16 GEMM is faster
@@ -253,7 +259,7 @@ class LlamaModel(nn.Module):
     @property
     def is_packed(self) -> bool:
         weight = self.layers[0].wqkv if len(self.layers) > 0 else None
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, ROW_LIMITED):
             weight = weight.dense
         return isinstance(weight, PackedWeight)
 
@@ -266,12 +272,12 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 weight = getattr(layer, name)
-                if isinstance(weight, QuantizedWeight):  # quantized first: pack its bf16 path
+                if isinstance(weight, ROW_LIMITED):  # quantized first: pack its bf16 path
                     weight.dense = PackedWeight(weight.dense, batch_hint)
                     continue
                 delattr(layer, name)  # unregister the Parameter so a plain attribute can take its place
                 setattr(layer, name, PackedWeight(weight, batch_hint))
-        if isinstance(self.lm_head, QuantizedWeight):
+        if isinstance(self.lm_head, ROW_LIMITED):
             if self.lm_head.dense is not self.embed:  # a tied head's dense path is the lookup table
                 self.lm_head.dense = PackedWeight(self.lm_head.dense, batch_hint)
         elif self.lm_head is not None:
@@ -290,7 +296,7 @@ class LlamaModel(nn.Module):
         def wrap(
             weight: torch.Tensor | PackedWeight | QuantizedWeight,
         ) -> torch.Tensor | PackedWeight | QuantizedWeight:
-            if isinstance(weight, QuantizedWeight):
+            if isinstance(weight, ROW_LIMITED):
                 weight = weight.dense
             if not quantizable(weight.shape, bits, group_size):
                 return weight
@@ -314,33 +320,57 @@ class LlamaModel(nn.Module):
         attrs = ("wqkv", "wo", "w_gate_up", "w_down")
         return sum(isinstance(getattr(layer, a), QuantizedWeight) for layer in self.layers for a in attrs)
 
-    def use_int4_groups(self, groups: dict[str, Int4Groups], max_rows: int) -> int:
+    def q6k_weights(self) -> int:
+        """How many matmul weights (LM head included) run their Q6_K blocks at small row counts."""
+        attrs = ("wqkv", "wo", "w_gate_up", "w_down")
+        layers = sum(isinstance(getattr(layer, a), Q6KWeight) for layer in self.layers for a in attrs)
+        return layers + isinstance(self.lm_head, Q6KWeight)
+
+    def use_checkpoint_codes(self, codes: dict[str, Int4Groups | Q6KBlocks], max_rows: int) -> int:
         """Give each matmul weight whose every part (`layers.{i}.q`, ... as `from_weights` names them) has
-        its checkpoint's own int4 codes in `groups` an int4 copy built from those codes (see
-        `QuantizedWeight`), used by forwards over at most `max_rows` rows. The codes are the checkpoint's
-        (Q4_K: 32-value groups), not a re-quantization: only each group's scale and offset are rounded,
-        to bf16, where a bf16 dense path rounds each weight to bf16 (a float32 model also hands the
-        kernel bf16 copies of its activations). Call before packing. Returns how many weights took an
-        int4 copy."""
+        its checkpoint's own quantized codes in `codes` a copy built from those codes, used by forwards
+        over at most `max_rows` rows (see `Q6K_ROWS` for Q6_K's own limit). Q4_K codes (32-value groups)
+        become an int4 copy (`QuantizedWeight`), not a re-quantization: only each group's scale and
+        offset are rounded, to bf16, where a bf16 dense path rounds each weight to bf16 (a float32
+        model also hands the kernel bf16 copies of its activations). A single Q6_K part keeps its
+        blocks for `ggml.py`'s kernel, exactly as stored. Call before packing. Returns how many
+        weights took a copy."""
         fused = {"wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"), "w_down": ("down",)}
+        kernels = q6k_kernels()
         done = 0
+
+        def replace(
+            weight: torch.Tensor, parts: list[Int4Groups | Q6KBlocks]
+        ) -> QuantizedWeight | Q6KWeight | None:
+            if len(parts) == 1 and isinstance(parts[0], Q6KBlocks):
+                usable = kernels is not None and tuple(parts[0].shape) == tuple(weight.shape)
+                return (
+                    Q6KWeight(parts[0], weight.detach(), min(max_rows, Q6K_ROWS), kernels) if usable else None
+                )
+            if not all(isinstance(p, Int4Groups) for p in parts):
+                return None  # Q4_K next to Q6_K in one fused weight: the dense path
+            cat = Int4Groups.cat(parts)
+            if not quantizable(weight.shape, 4, 32) or tuple(cat.codes.shape) != tuple(weight.shape):
+                return None
+            return QuantizedWeight(weight, weight.detach(), 4, 32, max_rows, groups=cat)
+
         for i, layer in enumerate(self.layers):
             for attr, parts in fused.items():
                 names = [f"layers.{i}.{p}" for p in parts]
                 weight = getattr(layer, attr)
-                if not all(n in groups for n in names) or not isinstance(weight, torch.Tensor):
+                if not all(n in codes for n in names) or not isinstance(weight, torch.Tensor):
                     continue
-                cat = Int4Groups.cat([groups[n] for n in names])
-                if not quantizable(weight.shape, 4, 32) or tuple(cat.codes.shape) != tuple(weight.shape):
-                    continue
-                delattr(layer, attr)  # unregister the Parameter so a plain attribute can take its place
-                setattr(layer, attr, QuantizedWeight(weight, weight.detach(), 4, 32, max_rows, groups=cat))
+                new = replace(weight, [codes[n] for n in names])
+                if new is not None:
+                    delattr(layer, attr)  # unregister the Parameter so a plain attribute can take its place
+                    setattr(layer, attr, new)
+                    done += 1
+        if self.lm_head is not None and "lm_head" in codes and isinstance(self.lm_head, torch.Tensor):
+            new = replace(self.lm_head, [codes["lm_head"]])
+            if new is not None:
+                del self.lm_head
+                self.lm_head = new
                 done += 1
-        if self.lm_head is not None and "lm_head" in groups and isinstance(self.lm_head, torch.Tensor):
-            head = self.lm_head
-            del self.lm_head
-            self.lm_head = QuantizedWeight(head, head.detach(), 4, 32, max_rows, groups=groups["lm_head"])
-            done += 1
         return done
 
     # ------------------------------------------------------------------ forward

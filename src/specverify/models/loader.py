@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .ggml import Q6K_BLOCK_VALUES, Q6KBlocks, q6k_kernels
 from .llama import LlamaModel, weight_shapes
 from .model_config import ModelConfig, ModelConfigError
 from .quant import Int4Groups
@@ -232,6 +233,15 @@ class GGUFFile:
             return None
         return Int4Groups(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low))
 
+    def q6k_blocks(self, name: str, data: np.ndarray) -> Q6KBlocks | None:
+        """Tensor `name`'s Q6_K blocks as stored (row after row, HF shape); None for another type."""
+        t = self.tensors[name]
+        if t.qtype.name != "Q6_K" or len(t.shape) != 2 or t.shape[1] % Q6K_BLOCK_VALUES:
+            return None
+        rows, cols = t.shape
+        raw = np.array(data[t.offset : t.offset + t.nbytes]).reshape(rows, -1)
+        return Q6KBlocks(torch.from_numpy(raw), (rows, cols))
+
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
@@ -294,9 +304,10 @@ def _load_gguf_weights(
     dtype: torch.dtype,
     device: torch.device,
     progress: bool,
-    int4: dict[str, Int4Groups] | None = None,
+    codes: dict[str, Int4Groups | Q6KBlocks] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The dense weights by canonical name; with `int4`, also fills it with the Q4_K tensors' codes."""
+    """The dense weights by canonical name; with `codes`, also fills it with the Q4_K tensors' codes and,
+    where the Q6_K kernel runs here, the Q6_K tensors' blocks."""
     expected = weight_shapes(config)
     wanted: dict[str, str] = {}  # canonical -> gguf name
     for name in gf.tensors:
@@ -325,6 +336,7 @@ def _load_gguf_weights(
 
     data = np.memmap(gf.path, dtype=np.uint8, mode="r")
     weights: dict[str, torch.Tensor] = {}
+    q6k_kernels_ok = codes is not None and q6k_kernels() is not None
     permuted = config.architecture == "llama"
     items = tqdm(list(wanted.items()), desc=f"loading {gf.path.name}", unit="tensor", disable=not progress)
     for canonical, name in items:
@@ -335,7 +347,13 @@ def _load_gguf_weights(
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         weights[canonical] = tensor if canonical == "rope_freqs" else tensor.to(device=device, dtype=dtype)
         del array, tensor
-        groups = gf.q4k_groups(name, data) if int4 is not None and canonical in expected else None
+        if codes is None or canonical not in expected:
+            continue
+        if q6k_kernels_ok and (blocks := gf.q6k_blocks(name, data)) is not None:
+            if not (permuted and canonical.rsplit(".", 1)[-1] in ("q", "k")):  # rows as stored
+                codes[canonical] = blocks
+            continue
+        groups = gf.q4k_groups(name, data)
         if groups is not None:
             if permuted and canonical.rsplit(".", 1)[-1] in ("q", "k"):
                 heads = config.num_heads if canonical.endswith("q") else config.num_kv_heads
@@ -345,7 +363,7 @@ def _load_gguf_weights(
                         for g in vars(groups).values()
                     )
                 )
-            int4[canonical] = groups
+            codes[canonical] = groups
     return weights
 
 
@@ -547,19 +565,20 @@ def load_model(
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the `LlamaModel` (weights in `dtype` on `device`; "auto": see `resolve_dtype`) and its config.
     `int4_rows` > 0: a GGUF file's Q4_K weights also keep their codes for the CPU int4 kernel, used by
-    forwards over at most that many rows (see `LlamaModel.use_int4_groups`; bf16 or float32 on the CPU)."""
+    forwards over at most that many rows (see `LlamaModel.use_checkpoint_codes`; bf16 or float32 on the CPU), and where the Q6_K kernel
+    runs here (`ggml.py`) its Q6_K weights keep their blocks for it."""
     from .quant import can_quantize_weights
 
     torch_dtype = resolve_dtype(dtype, device)
     torch_device = torch.device(device)
     p, kind = _resolve(path)
-    int4: dict[str, Int4Groups] | None = None
+    codes: dict[str, Int4Groups | Q6KBlocks] | None = None
     if kind == "gguf":
         gf = GGUFFile(p)
         config = _gguf_config(gf)
         if int4_rows > 0 and can_quantize_weights(torch_dtype, torch_device):
-            int4 = {}
-        weights = _load_gguf_weights(gf, config, torch_dtype, torch_device, progress, int4)
+            codes = {}
+        weights = _load_gguf_weights(gf, config, torch_dtype, torch_device, progress, codes)
     else:
         config = _hf_config(p)
         weights = _load_hf_weights(p, config, torch_dtype, torch_device, progress)
@@ -567,8 +586,8 @@ def load_model(
         model = LlamaModel.from_weights(config, weights, dtype=torch_dtype, device=torch_device, consume=True)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{p}: {e}") from e
-    if int4:
-        model.use_int4_groups(int4, int4_rows)
+    if codes:
+        model.use_checkpoint_codes(codes, int4_rows)
     return model, config
 
 

@@ -14,7 +14,15 @@ from collections.abc import Sequence
 import torch
 
 from .base import check_logit_token_ids
-from .llama import KV_BLOCK_TOKENS, KVCache, LlamaModel, PackedWeight, SeqChunk, can_pack_weights
+from .llama import (
+    KV_BLOCK_TOKENS,
+    ROW_LIMITED,
+    KVCache,
+    LlamaModel,
+    PackedWeight,
+    SeqChunk,
+    can_pack_weights,
+)
 from .model_config import ModelConfig
 from .quant import QuantizedWeight, quantizable
 
@@ -149,7 +157,7 @@ class TorchModelRunner:
         ids = check_logit_token_ids(token_ids, self.vocab_size)
         full = self.model.embed if self.model.lm_head is None else self.model.lm_head
         quantized = full if isinstance(full, QuantizedWeight) else None
-        dense = quantized.dense if quantized is not None else full
+        dense = full.dense if isinstance(full, ROW_LIMITED) else full  # a Q6_K head's subset: dense
         plain = dense.packed.to_dense() if isinstance(dense, PackedWeight) else dense.detach()
         rows = plain.index_select(0, ids.to(plain.device)).contiguous()
         head = PackedWeight(rows) if isinstance(dense, PackedWeight) else rows
