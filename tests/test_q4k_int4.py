@@ -27,10 +27,19 @@ def random_q4k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndar
     return blocks.reshape(rows, -1)
 
 
-@pytest.fixture(scope="module")
-def q4k_gguf(tmp_path_factory):
-    """A tiny llama (hidden 256: Q4_K's 256-value rows) whose q, k, o, gate, up and LM head are Q4_K, and
-    whose layer 0 v and down stay F32 (as a Q4_K_M file keeps some v / down in Q6_K)."""
+# The Q4_K tensors of a Q4_K_M file's layer (the others: v and down, Q4_K or Q6_K by layer).
+Q4K_LAYER_SHAPES = {
+    "attn_q.weight": (256, 256),
+    "attn_k.weight": (128, 256),
+    "attn_output.weight": (256, 256),
+    "ffn_gate.weight": (512, 256),
+    "ffn_up.weight": (512, 256),
+}
+V_SHAPE, DOWN_SHAPE, HEAD_SHAPE = (128, 256), (256, 512), (128, 256)
+
+
+def tiny_quantizable_llama():
+    """A tiny llama with 256-value rows (a Q4_K / Q6_K block) everywhere, two layers, untied head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -44,18 +53,21 @@ def q4k_gguf(tmp_path_factory):
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def q4k_layer_shapes(layers: int = 2) -> dict[str, tuple[int, int]]:
+    return {f"blk.{i}.{name}": shape for i in range(layers) for name, shape in Q4K_LAYER_SHAPES.items()}
+
+
+@pytest.fixture(scope="module")
+def q4k_gguf(tmp_path_factory):
+    """A tiny llama (hidden 256: Q4_K's 256-value rows) whose q, k, o, gate, up and LM head are Q4_K, and
+    whose layer 0 v and down stay F32 (as a Q4_K_M file keeps some v / down in Q6_K)."""
+    model = tiny_quantizable_llama()
     rng = np.random.default_rng(0)
-    shapes = {"output.weight": (128, 256)}
-    for i in range(2):
-        shapes |= {
-            f"blk.{i}.attn_q.weight": (256, 256),
-            f"blk.{i}.attn_k.weight": (128, 256),
-            f"blk.{i}.attn_output.weight": (256, 256),
-            f"blk.{i}.ffn_gate.weight": (512, 256),
-            f"blk.{i}.ffn_up.weight": (512, 256),
-        }
-    shapes |= {"blk.1.attn_v.weight": (128, 256), "blk.1.ffn_down.weight": (256, 512)}
+    shapes = {"output.weight": HEAD_SHAPE} | q4k_layer_shapes()
+    shapes |= {"blk.1.attn_v.weight": V_SHAPE, "blk.1.ffn_down.weight": DOWN_SHAPE}
     q4k = {name: random_q4k_blocks(*shape, rng) for name, shape in shapes.items()}
     return write_tiny_gguf(model, tmp_path_factory.mktemp("q4k") / "tiny-q4k.gguf", q4k=q4k)
 

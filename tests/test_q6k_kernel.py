@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_tiny_gguf
-from test_q4k_int4 import random_q4k_blocks
+from test_q4k_int4 import (
+    DOWN_SHAPE,
+    HEAD_SHAPE,
+    V_SHAPE,
+    q4k_layer_shapes,
+    random_q4k_blocks,
+    tiny_quantizable_llama,
+)
 
 from specverify.models.ggml import Q6K_ROWS, Q6KWeight, q6k_kernels, q6k_matmul
 from specverify.models.loader import GGUFFile, load_runner
@@ -54,34 +61,13 @@ def test_kernel_rejects_what_it_cannot_take() -> None:
 def q6k_gguf(tmp_path_factory):
     """A tiny llama laid out as a Q4_K_M file: Q4_K q, k, o, gate, up; layer 1's v and down and the LM
     head in Q6_K; layer 0's v and down Q4_K."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_quantizable_llama()
     rng = np.random.default_rng(0)
-    q4k_shapes = {"blk.0.attn_v.weight": (128, 256), "blk.0.ffn_down.weight": (256, 512)}
-    for i in range(2):
-        q4k_shapes |= {
-            f"blk.{i}.attn_q.weight": (256, 256),
-            f"blk.{i}.attn_k.weight": (128, 256),
-            f"blk.{i}.attn_output.weight": (256, 256),
-            f"blk.{i}.ffn_gate.weight": (512, 256),
-            f"blk.{i}.ffn_up.weight": (512, 256),
-        }
+    q4k_shapes = q4k_layer_shapes() | {"blk.0.attn_v.weight": V_SHAPE, "blk.0.ffn_down.weight": DOWN_SHAPE}
     q6k_shapes = {
-        "output.weight": (128, 256),
-        "blk.1.attn_v.weight": (128, 256),
-        "blk.1.ffn_down.weight": (256, 512),
+        "output.weight": HEAD_SHAPE,
+        "blk.1.attn_v.weight": V_SHAPE,
+        "blk.1.ffn_down.weight": DOWN_SHAPE,
     }
     q4k = {name: random_q4k_blocks(*shape, rng) for name, shape in q4k_shapes.items()}
     q6k = {name: random_q6k_blocks(*shape, rng) for name, shape in q6k_shapes.items()}

@@ -122,20 +122,9 @@ class Q6KWeight:
         self, codes: Q6KBlocks, dense: torch.Tensor | PackedWeight, max_rows: int, module: ModuleType
     ) -> None:
         self.shape = torch.Size(codes.shape)
-        self.blocks, self.dense, self.max_rows, self._module = (
-            codes.blocks.contiguous(),
-            dense,
-            max_rows,
-            module,
-        )
+        self.blocks = codes.blocks.contiguous()
+        self.dense, self.max_rows, self._module = dense, max_rows, module
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = q6k_matmul(self._module, x, self.blocks, self.shape[0]).to(x.dtype)
         return out if bias is None else out + bias
-
-    def nbytes(self) -> int:
-        return self.blocks.numel()
-
-
-def q6k_usable(shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and shape[1] % Q6K_BLOCK_VALUES == 0

@@ -2,9 +2,9 @@
 //
 // At one to a few rows a matmul is bound by reading the weight. PyTorch has no kernel for Q6_K's
 // 6-bit codes with a scale per 16 values, so without this the target streamed those tensors as bf16
-// (2 bytes a weight against Q6_K's 0.82). Here each block is decoded in registers and multiplied in
-// float32 with float32 activations: the weights are exactly the file's (d * scale * (q - 32)), and
-// only the summation order differs from a dense float32 matmul.
+// (2 bytes a weight against Q6_K's 0.82). Here each block is decoded in registers and multiplied with
+// the bf16 activations by AVX512-BF16 dot products, summed in float32: the weights are exactly the
+// file's (d * scale * (q - 32)), and only the summation order differs from a dense matmul.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -565,8 +565,8 @@ def load_model(
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the `LlamaModel` (weights in `dtype` on `device`; "auto": see `resolve_dtype`) and its config.
     `int4_rows` > 0: a GGUF file's Q4_K weights also keep their codes for the CPU int4 kernel, used by
-    forwards over at most that many rows (see `LlamaModel.use_checkpoint_codes`; bf16 or float32 on the CPU), and where the Q6_K kernel
-    runs here (`ggml.py`) its Q6_K weights keep their blocks for it."""
+    forwards over at most that many rows (see `LlamaModel.use_checkpoint_codes`; bf16 or float32 on the
+    CPU), and where the Q6_K kernel runs here (`ggml.py`) its Q6_K weights keep their blocks for it."""
     from .quant import can_quantize_weights
 
     torch_dtype = resolve_dtype(dtype, device)
