@@ -300,6 +300,29 @@ def test_probes_draft_for_a_few_requests_and_only_where_speculation_could_pay(mo
         assert engine.stats.drafted_tokens == 0
 
 
+def test_recent_draft_features_are_kept_per_position_and_bounded() -> None:
+    """The look-ahead's acceptance means come from recent drafts kept as rows per position; the memory
+    keeps at least _FEATURE_MEMORY features and drops whole old steps, and a loaded state keeps the newest."""
+    import numpy as np
+
+    import specverify.engine.llm_engine as engine_module
+
+    engine, *_ = make_engine(k=3)
+    memory = engine_module._FEATURE_MEMORY
+    for step in range(memory):
+        rows = np.full((2, 2), float(step))  # two requests, two slots drafted, padded to K = 3
+        engine._remember_features(rows)
+    kept = np.concatenate(engine._recent_features)
+    assert kept.shape[1] == 3 and np.isnan(kept[:, 2]).all()
+    assert memory <= np.isfinite(kept).sum() < memory + 4
+    assert kept[-1, 0] == memory - 1  # the newest step is kept, the oldest dropped
+    fresh, *_ = make_engine(k=3)
+    fresh.load_speculation_state(
+        engine.speculation_state() | {"recent_features": np.vstack([kept] * 3).tolist()}
+    )
+    assert memory <= np.isfinite(np.concatenate(fresh._recent_features)).sum() < memory + 2
+
+
 def test_speculation_state_carries_estimator_and_recent_features() -> None:
     import numpy as np
 

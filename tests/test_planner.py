@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specverify.cost_model import CostModel
-from specverify.planner import AdaptivePlanner, survival, top_b_prefix
+from specverify.planner import AdaptivePlanner, reached_acceptance, survival, top_b_prefix
 
 K = 5
 TOKENS = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256], dtype=float)
@@ -455,3 +455,24 @@ def test_without_a_catch_up_the_horizon_and_the_joining_batch_change_nothing(see
             planner.choose_draft_depth(r, p, draft_feed_tokens=feed, remaining_tokens=64, steady_requests=32)
             after = (planner.depth, planner.threshold, planner.expected_seconds, planner.expected_tokens)
             assert after == plan
+
+
+def test_reached_acceptance_matches_the_realised_rate_among_reached_slots() -> None:
+    """Calibrated drafts whose rows differ in difficulty: deep slots are reached mostly by easy rows, so
+    the acceptance among reached slots is above the plain mean prediction; the reach-weighted mean finds it."""
+    rng = np.random.default_rng(7)
+    n, k = 40_000, 4
+    ease = rng.uniform(0.0, 1.0, size=(n, 1))
+    p = np.clip(0.3 + 0.65 * ease + rng.normal(0.0, 0.03, size=(n, k)), 0.01, 0.99)
+    accepted = rng.uniform(size=(n, k)) < p
+    reached = np.concatenate([np.ones((n, 1), bool), np.cumprod(accepted, axis=1)[:, :-1].astype(bool)], 1)
+    p[rng.uniform(size=n) < 0.2, 2:] = np.nan  # some rows stopped drafting after two slots
+    drafted = np.isfinite(p)
+    estimate = reached_acceptance(p)
+    for j in range(k):
+        on = reached[:, j] & drafted[:, j]
+        rate = accepted[on, j].mean()
+        se = np.sqrt(rate * (1 - rate) / on.sum())
+        assert abs(estimate[j] - rate) < 4 * se, (j, estimate[j], rate)
+    assert np.nanmean(p[:, 3]) < accepted[reached[:, 3] & drafted[:, 3], 3].mean() - 0.05  # the naive mean
+    assert np.isnan(reached_acceptance(np.full((3, 2), np.nan))).all()

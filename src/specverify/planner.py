@@ -51,6 +51,25 @@ def survival(p: np.ndarray) -> np.ndarray:
     return np.cumprod(p, axis=-1)
 
 
+def reached_acceptance(p: np.ndarray) -> np.ndarray:
+    """Mean acceptance per position among the drafts that reach it: p [N, K] (NaN = not drafted) ->
+    [K], NaN where nothing was drafted. Slot k of a row counts with weight s[k-1], the chance that its
+    earlier slots were all accepted: a calibrated estimate of P(accept k | slots < k accepted) is only
+    about those. An unweighted mean over every drafted slot (or over every position's features pooled)
+    also counts the drafts that go on after a likely rejection, whose lower q_max pulled the look-ahead
+    ~0.1 below the realised acceptance at greedy c1 and kept speculation off there."""
+    p = np.asarray(p, dtype=np.float64)
+    if p.ndim != 2 or p.size == 0:
+        return np.full(p.shape[-1] if p.ndim else 0, np.nan)
+    drafted = np.isfinite(p)
+    reach = np.concatenate([np.ones((p.shape[0], 1)), survival(p)[:, :-1]], axis=1)
+    weight = np.where(drafted, reach, 0.0)
+    total = weight.sum(axis=0)
+    accepted = (weight * np.where(drafted, np.clip(p, 0.0, 1.0), 0.0)).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0.0, accepted / total, np.nan)
+
+
 def top_b_prefix(survival: np.ndarray, budget: int) -> np.ndarray:
     """Verified slots per request for a global top-`budget` by survival, ties broken by position first
     (so (r, k) always ranks above (r, k+1)) then by request. Returns a prefix length per request.

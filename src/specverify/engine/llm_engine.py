@@ -27,6 +27,7 @@ from specverify.engine.suffix_drafter import SUFFIX_FEATURE_ID
 from specverify.features import ACCEPTANCE_FEATURE_ID
 from specverify.logprobs import PositionLogprobs, token_logprobs
 from specverify.models.base import ModelRunner
+from specverify.planner import AdaptivePlanner, reached_acceptance
 from specverify.sampling_params import SamplingParams
 
 # How many recent draft features stand for "the next step's drafts" when choosing the draft depth.
@@ -237,8 +238,6 @@ class LLMEngine:
             self.load_estimator_state(self.spec.estimator_state)
         self.calibration = RollingCalibration()
         if self.spec.enable_adaptive_verification:
-            from specverify.planner import AdaptivePlanner
-
             if cost_model is None:
                 from specverify.cost_model import CostModel
                 from specverify.profiling import profile_runners
@@ -333,7 +332,8 @@ class LLMEngine:
         sums. None without speculation."""
         if self.estimator is None:
             return None
-        recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros(0)
+        k = self.spec.num_speculative_tokens
+        recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros((0, k))
         state = {"estimator": self.estimator_state(), "recent_features": recent.tolist()}
         if self.planner is not None:
             state["planner_gain"] = self.planner.gain_state()
@@ -344,8 +344,13 @@ class LLMEngine:
         if self.estimator is None:
             raise ConfigError("this engine does not speculate: there is no speculation state to load")
         self.load_estimator_dict(state["estimator"])
+        self._recent_features = []
         recent = np.asarray(state.get("recent_features", []), dtype=np.float64)
-        self._recent_features = [recent[np.isfinite(recent)][-_FEATURE_MEMORY:]] if recent.size else []
+        if recent.size:  # rows of draft features per position (NaN: not drafted); the newest are kept
+            rows = recent.reshape(len(recent), -1)
+            from_row_on = np.cumsum(np.isfinite(rows)[::-1].sum(axis=1))[::-1]  # features from row i on
+            enough = np.flatnonzero(from_row_on >= _FEATURE_MEMORY)
+            self._remember_features(rows[enough[-1] if enough.size else 0 :])
         if self.planner is not None and "planner_gain" in state:
             self.planner.load_gain_state(state["planner_gain"])
 
@@ -583,15 +588,15 @@ class LLMEngine:
         return float(drafting + cost.target_time(num_requests + n * d) - cost.plain_time(num_requests))
 
     def _expected_acceptance(self, greedy_fraction: float = 0.0) -> np.ndarray:
-        """Mean predicted acceptance per position over recently seen draft features (none seen: x = 0),
-        mixing the greedy and sampled estimators as the batch does."""
+        """Mean predicted acceptance per position over recent drafts, each slot weighted by the chance it
+        was reached (`planner.reached_acceptance`), mixing the greedy and sampled estimators as the batch
+        does. None seen: the estimators' value at x = 0 (NaN positions are filled by the planner)."""
         k = self.spec.num_speculative_tokens
-        recent = np.concatenate(self._recent_features) if self._recent_features else np.zeros(1)
-        grid = np.repeat(recent[:, None], k, axis=1)
-        sampled = self.estimator.predict(grid).mean(axis=0)
+        rows = np.concatenate(self._recent_features) if self._recent_features else np.zeros((1, k))
+        sampled = reached_acceptance(self.estimator.predict(rows))
         if greedy_fraction <= 0.0:
             return sampled
-        greedy = self.greedy_estimator.predict(grid).mean(axis=0)
+        greedy = reached_acceptance(self.greedy_estimator.predict(rows))
         return (1.0 - greedy_fraction) * sampled + greedy_fraction * greedy
 
     @staticmethod
@@ -607,12 +612,20 @@ class LLMEngine:
         return out
 
     def _remember_features(self, features: np.ndarray) -> None:
-        seen = features[np.isfinite(features)]
-        if seen.size:
-            self._recent_features.append(seen)
-            total = sum(len(f) for f in self._recent_features)
-            while total - len(self._recent_features[0]) >= _FEATURE_MEMORY:
-                total -= len(self._recent_features.pop(0))
+        """Keep this step's drafted rows ([R, depth], NaN = not drafted), padded to K positions, until
+        _FEATURE_MEMORY newer features stand for the next steps' drafts."""
+        k = self.spec.num_speculative_tokens
+        rows = features[np.isfinite(features).any(axis=1), :k]
+        if not rows.size:
+            return
+        if rows.shape[1] < k:
+            rows = np.concatenate([rows, np.full((rows.shape[0], k - rows.shape[1]), np.nan)], axis=1)
+        self._recent_features.append(rows)
+        counts = [int(np.isfinite(f).sum()) for f in self._recent_features]
+        total = sum(counts)
+        while total - counts[0] >= _FEATURE_MEMORY:
+            total -= counts.pop(0)
+            self._recent_features.pop(0)
 
     def _uniforms(self, requests: list[Request], n: int) -> torch.Tensor:
         return torch.stack([torch.rand(n, generator=r.generator) for r in requests])
