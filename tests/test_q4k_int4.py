@@ -18,6 +18,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _int4_path(monkeypatch):
+    """These tests are about the int4 (and Q6_K) paths: `models/q4k.py`'s kernel would take the Q4_K
+    weights from them where it runs (`tests/test_q4k_kernel.py`)."""
+    monkeypatch.setenv("SPECVERIFY_Q4K_KERNEL", "0")
+
+
 def random_q4k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Valid Q4_K blocks (144 bytes per 256 values): small fp16 super-scales, random 6-bit scales and
     mins, random 4-bit codes."""

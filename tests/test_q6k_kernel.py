@@ -27,6 +27,13 @@ from specverify.models.quant import QuantizedWeight
 pytestmark = pytest.mark.skipif(q6k_kernels() is None, reason="Q6_K kernel not available on this machine")
 
 
+@pytest.fixture(autouse=True)
+def _int4_path(monkeypatch):
+    """These tests are about the int4 (and Q6_K) paths: `models/q4k.py`'s kernel would take the Q4_K
+    weights from them where it runs (`tests/test_q4k_kernel.py`)."""
+    monkeypatch.setenv("SPECVERIFY_Q4K_KERNEL", "0")
+
+
 def random_q6k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Valid Q6_K blocks (210 bytes per 256 values): random codes and signed sub-block scales, small
     fp16 super-scales that differ from block to block."""

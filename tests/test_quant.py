@@ -40,7 +40,11 @@ def test_weights_on_the_grid_are_reproduced_exactly() -> None:
     q8 = torch.randint(-127, 128, (n, k), generator=g)
     q8[:, 0] = 127
     w8 = q8 * 2.0 ** -torch.randint(6, 10, (n, 1), generator=g).float()
-    x = torch.randn(5, k, generator=g).bfloat16()
+    # Activations on the int8 grid of every 32 values (the VNNI int4 kernel rounds them to it): integers
+    # times 2^-7, 127 the top of each group.
+    xi = torch.randint(-127, 128, (5, k), generator=g)
+    xi[:, 3::32] = 127
+    x = (xi * 2.0**-7).bfloat16()
     for bits, w in ((4, w4), (8, w8)):
         w = w.bfloat16()
         out = QuantizedWeight(w, w, bits, group).matmul(x)

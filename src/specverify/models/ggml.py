@@ -6,6 +6,7 @@ LM head, half its v / down projections) were streamed as bf16: 2 bytes a weight 
 machine on first use (torch's C++ extension builder, ~30 s, cached under ~/.cache/torch_extensions).
 Where it cannot be built or does not check out (no compiler, a CPU without AVX512-BF16), the dense
 path stays. The weights are exactly the file's; only the summation order differs from a dense matmul.
+The same extension holds the Q4_K kernel (`q4k.py`); `ggml_extension` builds it for both.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ Q6K_BLOCK_VALUES = 256
 Q6K_BLOCK_BYTES = 210
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 _kernels: ModuleType | None | bool = False  # False: not tried yet; None: unavailable
+_extension: ModuleType | None | bool = False  # the same, for the build
 
 
 @dataclass
@@ -53,6 +55,36 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def ggml_extension() -> ModuleType | None:
+    """The compiled `ggml_matmul.cpp` (its Q6_K and Q4_K kernels), built on first call; None where it
+    cannot be built here (the reason is logged once). Each kernel's own checks are its caller's."""
+    global _extension
+    if _extension is not False:
+        return _extension  # type: ignore[return-value]
+    _extension = None
+    flags = _cpu_flags()
+    if not all(f in flags for f in ("avx512f", "avx512bw")):
+        logger.info("GGML kernels off: this CPU lacks AVX-512")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        source = Path(__file__).with_name("ggml_matmul.cpp")
+        # -march=native: the build is for this CPU, so the cache is keyed by its flags too.
+        tag = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
+        logger.info("loading the GGML kernels (built on first use on this machine, ~30 s)")
+        _extension = load(
+            name=f"specverify_ggml_{tag}",
+            sources=[str(source)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure keeps the dense paths
+        logger.warning("GGML kernels unavailable (%s: %s); their tensors stay dense", type(e).__name__, e)
+    return _extension  # type: ignore[return-value]
+
+
 def q6k_kernels() -> ModuleType | None:
     """The compiled kernel module, built on first call; None where this machine cannot run it (the
     reason is logged once). SPECVERIFY_Q6K_KERNEL=0 turns it off."""
@@ -66,22 +98,12 @@ def q6k_kernels() -> ModuleType | None:
     if not all(f in flags for f in _CPU_FLAGS):
         logger.info("Q6_K kernel off: this CPU lacks %s", ", ".join(f for f in _CPU_FLAGS if f not in flags))
         return None
+    module = ggml_extension()
+    if module is None or not module.has_q6k():
+        return None
     try:
-        from torch.utils.cpp_extension import load
-
-        source = Path(__file__).with_name("ggml_matmul.cpp")
-        # -march=native: the build is for this CPU, so the cache is keyed by its flags too.
-        tag = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
-        logger.info("loading the Q6_K kernel (built on first use on this machine, ~30 s)")
-        module = load(
-            name=f"specverify_ggml_{tag}",
-            sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
         _self_check(module)
-    except Exception as e:  # noqa: BLE001 - any build or check failure keeps the dense path
+    except Exception as e:  # noqa: BLE001 - any check failure keeps the dense path
         logger.warning("Q6_K kernel unavailable (%s: %s); its tensors stay bf16", type(e).__name__, e)
         return None
     _kernels = module

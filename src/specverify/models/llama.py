@@ -19,10 +19,11 @@ from torch import nn
 
 from .ggml import Q6K_ROWS, Q6KBlocks, Q6KWeight, q6k_kernels
 from .model_config import ModelConfig
+from .q4k import Q4K_ROWS, Q4KBlocks, Q4KWeight, q4k_kernels
 from .quant import Int4Groups, QuantizedWeight, quantizable
 
 # Weights with a quantized copy for forwards over at most `max_rows` rows, beside their dense path.
-ROW_LIMITED = (QuantizedWeight, Q6KWeight)
+ROW_LIMITED = (QuantizedWeight, Q6KWeight, Q4KWeight)
 
 # KV caches grow in blocks of this many positions (copying the cache each time: one copy per 256 decoded
 # tokens costs well under 1 % of decoding; doubling would leave up to half of a cache unused and uncounted).
@@ -133,7 +134,7 @@ class PackedWeight:
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor | PackedWeight | QuantizedWeight | Q6KWeight,
+    weight: torch.Tensor | PackedWeight | QuantizedWeight | Q6KWeight | Q4KWeight,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if isinstance(weight, ROW_LIMITED):
@@ -322,31 +323,47 @@ class LlamaModel(nn.Module):
 
     def q6k_weights(self) -> int:
         """How many matmul weights (LM head included) run their Q6_K blocks at small row counts."""
-        attrs = ("wqkv", "wo", "w_gate_up", "w_down")
-        layers = sum(isinstance(getattr(layer, a), Q6KWeight) for layer in self.layers for a in attrs)
-        return layers + isinstance(self.lm_head, Q6KWeight)
+        return self._count(Q6KWeight)
 
-    def use_checkpoint_codes(self, codes: dict[str, Int4Groups | Q6KBlocks], max_rows: int) -> int:
+    def q4k_weights(self) -> int:
+        """How many matmul weights (LM head included) run their Q4_K blocks through `q4k.py`'s kernel."""
+        return self._count(Q4KWeight)
+
+    def _count(self, kind: type) -> int:
+        attrs = ("wqkv", "wo", "w_gate_up", "w_down")
+        layers = sum(isinstance(getattr(layer, a), kind) for layer in self.layers for a in attrs)
+        return layers + isinstance(self.lm_head, kind)
+
+    def use_checkpoint_codes(
+        self, codes: dict[str, Int4Groups | Q6KBlocks | Q4KBlocks], max_rows: int
+    ) -> int:
         """Give each matmul weight whose every part (`layers.{i}.q`, ... as `from_weights` names them) has
         its checkpoint's own quantized codes in `codes` a copy built from those codes, used by forwards
-        over at most `max_rows` rows (see `Q6K_ROWS` for Q6_K's own limit). Q4_K codes (32-value groups)
-        become an int4 copy (`QuantizedWeight`), not a re-quantization: only each group's scale and
-        offset are rounded, to bf16, where a bf16 dense path rounds each weight to bf16 (a float32
-        model also hands the kernel bf16 copies of its activations). A single Q6_K part keeps its
-        blocks for `ggml.py`'s kernel, exactly as stored. Call before packing. Returns how many
-        weights took a copy."""
+        over at most `max_rows` rows (Q6_K: at most `Q6K_ROWS`; Q4_K blocks: `Q4K_ROWS`, the Q4_K
+        kernel's own measured limit). Q4_K blocks (`Q4KBlocks`, where `q4k.py`'s kernel runs) go to that
+        kernel as stored; Q4_K codes (`Int4Groups`, 32-value groups) become an int4 copy
+        (`QuantizedWeight`), not a re-quantization: only each group's scale and offset are rounded, to
+        bf16, where a bf16 dense path rounds each weight to bf16 (a float32 model also hands the kernel
+        bf16 copies of its activations). A single Q6_K part keeps its blocks for `ggml.py`'s kernel,
+        exactly as stored. Call before packing. Returns how many weights took a copy."""
         fused = {"wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"), "w_down": ("down",)}
         kernels = q6k_kernels()
         done = 0
 
         def replace(
-            weight: torch.Tensor, parts: list[Int4Groups | Q6KBlocks]
-        ) -> QuantizedWeight | Q6KWeight | None:
+            weight: torch.Tensor, parts: list[Int4Groups | Q6KBlocks | Q4KBlocks]
+        ) -> QuantizedWeight | Q6KWeight | Q4KWeight | None:
             if len(parts) == 1 and isinstance(parts[0], Q6KBlocks):
                 usable = kernels is not None and tuple(parts[0].shape) == tuple(weight.shape)
                 return (
                     Q6KWeight(parts[0], weight.detach(), min(max_rows, Q6K_ROWS), kernels) if usable else None
                 )
+            if all(isinstance(p, Q4KBlocks) for p in parts):
+                module = q4k_kernels()
+                cat = Q4KBlocks.cat(parts)  # type: ignore[arg-type]
+                if module is None or tuple(cat.shape) != tuple(weight.shape):
+                    return None
+                return Q4KWeight(cat, weight.detach(), Q4K_ROWS, module)
             if not all(isinstance(p, Int4Groups) for p in parts):
                 return None  # Q4_K next to Q6_K in one fused weight: the dense path
             cat = Int4Groups.cat(parts)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from .ggml import Q6K_BLOCK_VALUES, Q6KBlocks, q6k_kernels
 from .llama import LlamaModel, weight_shapes
 from .model_config import ModelConfig, ModelConfigError
+from .q4k import Q4K_BLOCK_VALUES, Q4KBlocks, q4k_kernels
 from .quant import Int4Groups
 from .runner import TorchModelRunner, resolve_dtype
 
@@ -242,6 +243,15 @@ class GGUFFile:
         raw = np.array(data[t.offset : t.offset + t.nbytes]).reshape(rows, -1)
         return Q6KBlocks(torch.from_numpy(raw), (rows, cols))
 
+    def q4k_blocks(self, name: str, data: np.ndarray) -> Q4KBlocks | None:
+        """Tensor `name`'s Q4_K blocks as stored (row after row, HF shape); None for another type."""
+        t = self.tensors[name]
+        if t.qtype.name != "Q4_K" or len(t.shape) != 2 or t.shape[1] % Q4K_BLOCK_VALUES:
+            return None
+        rows, cols = t.shape
+        raw = np.array(data[t.offset : t.offset + t.nbytes]).reshape(rows, -1)
+        return Q4KBlocks(torch.from_numpy(raw), (rows, cols))
+
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
@@ -304,10 +314,11 @@ def _load_gguf_weights(
     dtype: torch.dtype,
     device: torch.device,
     progress: bool,
-    codes: dict[str, Int4Groups | Q6KBlocks] | None = None,
+    codes: dict[str, Int4Groups | Q6KBlocks | Q4KBlocks] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The dense weights by canonical name; with `codes`, also fills it with the Q4_K tensors' codes and,
-    where the Q6_K kernel runs here, the Q6_K tensors' blocks."""
+    """The dense weights by canonical name; with `codes`, also fills it with the Q4_K tensors' blocks
+    where the Q4_K kernel runs here (else their int4 codes) and, where the Q6_K kernel runs here, the
+    Q6_K tensors' blocks."""
     expected = weight_shapes(config)
     wanted: dict[str, str] = {}  # canonical -> gguf name
     for name in gf.tensors:
@@ -337,6 +348,7 @@ def _load_gguf_weights(
     data = np.memmap(gf.path, dtype=np.uint8, mode="r")
     weights: dict[str, torch.Tensor] = {}
     q6k_kernels_ok = codes is not None and q6k_kernels() is not None
+    q4k_kernels_ok = codes is not None and q4k_kernels() is not None
     permuted = config.architecture == "llama"
     items = tqdm(list(wanted.items()), desc=f"loading {gf.path.name}", unit="tensor", disable=not progress)
     for canonical, name in items:
@@ -352,6 +364,14 @@ def _load_gguf_weights(
         if q6k_kernels_ok and (blocks := gf.q6k_blocks(name, data)) is not None:
             if not (permuted and canonical.rsplit(".", 1)[-1] in ("q", "k")):  # rows as stored
                 codes[canonical] = blocks
+            continue
+        if q4k_kernels_ok and (q4k := gf.q4k_blocks(name, data)) is not None:
+            if permuted and canonical.rsplit(".", 1)[-1] in ("q", "k"):  # whole rows move: blocks follow
+                heads = config.num_heads if canonical.endswith("q") else config.num_kv_heads
+                q4k = Q4KBlocks(
+                    torch.from_numpy(_unpermute_rows(q4k.blocks.numpy(), heads).copy()), q4k.shape
+                )
+            codes[canonical] = q4k
             continue
         groups = gf.q4k_groups(name, data)
         if groups is not None:
@@ -564,15 +584,17 @@ def load_model(
     int4_rows: int = 0,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the `LlamaModel` (weights in `dtype` on `device`; "auto": see `resolve_dtype`) and its config.
-    `int4_rows` > 0: a GGUF file's Q4_K weights also keep their codes for the CPU int4 kernel, used by
-    forwards over at most that many rows (see `LlamaModel.use_checkpoint_codes`; bf16 or float32 on the
-    CPU), and where the Q6_K kernel runs here (`ggml.py`) its Q6_K weights keep their blocks for it."""
+    `int4_rows` > 0: a GGUF file's Q4_K weights also keep their blocks for the Q4_K kernel where it runs
+    here (`q4k.py`, forwards over at most `Q4K_ROWS` rows), else their codes for the CPU int4 kernel,
+    used by forwards over at most `int4_rows` rows (see `LlamaModel.use_checkpoint_codes`; bf16 or
+    float32 on the CPU), and where the Q6_K kernel runs here (`ggml.py`) its Q6_K weights keep their
+    blocks for it."""
     from .quant import can_quantize_weights
 
     torch_dtype = resolve_dtype(dtype, device)
     torch_device = torch.device(device)
     p, kind = _resolve(path)
-    codes: dict[str, Int4Groups | Q6KBlocks] | None = None
+    codes: dict[str, Int4Groups | Q6KBlocks | Q4KBlocks] | None = None
     if kind == "gguf":
         gf = GGUFFile(p)
         config = _gguf_config(gf)
