@@ -12,7 +12,7 @@ import time
 import torch
 
 from specverify.llm import load_models
-from specverify.models.ggml import Q6KWeight
+from specverify.models.ggml import Q6KWeight, q6k_kernels, q6k_reads_int8
 from specverify.models.llama import KVCache, SeqChunk
 
 
@@ -29,6 +29,7 @@ def main() -> None:
     q6k += [model.lm_head] if isinstance(model.lm_head, Q6KWeight) else []
     if not q6k:
         raise SystemExit("the Q6_K kernel is not in use here (see the log above for why)")
+    kernel_rows = 1 << 30 if q6k_reads_int8(q6k_kernels()) else 8  # the bf16 kernel takes <= 8 rows
     cache = KVCache(runner.config, runner.dtype, runner.device)
     cache.reserve(512, 4096)
     context = 300
@@ -52,7 +53,7 @@ def main() -> None:
             for rows in rows_list:
                 for kernel in (False, True):
                     for w in q6k:
-                        w.max_rows = 8 if kernel else 0
+                        w.max_rows = kernel_rows if kernel else 0
                     forward(rows)
                     t = time.perf_counter()
                     for _ in range(8):

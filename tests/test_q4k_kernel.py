@@ -21,7 +21,7 @@ from test_q4k_int4 import (
 )
 from test_q6k_kernel import random_q6k_blocks
 
-from specverify.models import llama
+from specverify.models import ggml, llama
 from specverify.models.ggml import Q6KWeight, q6k_kernels
 from specverify.models.loader import GGUFFile, load_runner
 from specverify.models.q4k import Q4K_ROWS, Q4KBlocks, Q4KWeight, q4k_kernels, q4k_matmul
@@ -123,6 +123,7 @@ def test_q4k_blocks_are_the_files_own(q4k_gguf) -> None:
 def test_forwards_take_the_q4k_kernel_up_to_its_row_limit(q4k_gguf, monkeypatch) -> None:
     limit = 8  # Q4K_ROWS itself is more rows than the tiny model's context
     monkeypatch.setattr(llama, "Q4K_ROWS", limit)
+    monkeypatch.setattr(ggml, "Q6K_INT8_ROWS", 2)  # the int8 Q6_K kernel too is dense from 3 rows
     dense, _ = load_runner(q4k_gguf, with_tokenizer=False, progress=False)
     quant, _ = load_runner(q4k_gguf, with_tokenizer=False, progress=False, int4_rows=4)
     layers = quant.model.layers

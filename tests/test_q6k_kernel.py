@@ -20,7 +20,14 @@ from test_q4k_int4 import (
     tiny_quantizable_llama,
 )
 
-from specverify.models.ggml import Q6K_ROWS, Q6KWeight, q6k_kernels, q6k_matmul
+from specverify.models.ggml import (
+    Q6KWeight,
+    q6k_kernels,
+    q6k_matmul,
+    q6k_reading_of_x,
+    q6k_reads_int8,
+    q6k_row_limit,
+)
 from specverify.models.loader import GGUFFile, load_runner
 from specverify.models.quant import QuantizedWeight
 
@@ -42,15 +49,17 @@ def random_q6k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndar
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [*range(1, 9), 13, 20])
 def test_kernel_matches_ggufs_dequantisation(rows: int) -> None:
+    if rows > 8 and not q6k_reads_int8(q6k_kernels()):
+        pytest.skip("the bf16 kernel takes at most 8 rows")
     rng = np.random.default_rng(rows)
     n, k = 37, 768  # an output count no tile divides, three blocks per row
     blocks = random_q6k_blocks(n, k, rng)
     w = torch.from_numpy(gq.Q6_K.dequantize_blocks(blocks.reshape(-1, 210)).reshape(n, k)).double()
     x = torch.from_numpy(rng.standard_normal((rows, k), dtype=np.float32) * 3).bfloat16()
     got = q6k_matmul(q6k_kernels(), x, torch.from_numpy(blocks.reshape(-1)), n)
-    want = x.double() @ w.T  # the kernel's inputs exactly, in float64
+    want = q6k_reading_of_x(q6k_kernels(), x) @ w.T  # the kernel's inputs exactly, in float64
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
@@ -58,8 +67,12 @@ def test_kernel_matches_ggufs_dequantisation(rows: int) -> None:
 def test_kernel_rejects_what_it_cannot_take() -> None:
     module = q6k_kernels()
     blocks = torch.zeros(4 * 210, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        q6k_matmul(module, torch.zeros(9, 256), blocks, 4)
+    if q6k_reads_int8(module):  # any number of rows
+        with pytest.raises(RuntimeError, match="no rows"):
+            q6k_matmul(module, torch.zeros(0, 256), blocks, 4)
+    else:
+        with pytest.raises(RuntimeError, match="1 to 8 rows"):
+            q6k_matmul(module, torch.zeros(9, 256), blocks, 4)
     with pytest.raises(RuntimeError, match="do not hold"):
         q6k_matmul(module, torch.zeros(1, 256), blocks, 5)
 
@@ -97,7 +110,8 @@ def test_small_forwards_take_the_q6k_blocks_and_agree_with_the_dense_path(q6k_gg
     quant, _ = load_runner(q6k_gguf, with_tokenizer=False, progress=False, int4_rows=4)
     layers = quant.model.layers
     assert isinstance(layers[1].w_down, Q6KWeight) and isinstance(quant.model.lm_head, Q6KWeight)
-    assert quant.model.lm_head.max_rows == min(4, Q6K_ROWS)
+    limit = q6k_row_limit(q6k_kernels(), 4)
+    assert quant.model.lm_head.max_rows == limit
     assert isinstance(layers[0].w_down, QuantizedWeight) and isinstance(layers[0].wqkv, QuantizedWeight)
     # Layer 1's q and k are Q4_K and its v Q6_K: one fused weight, so the dense path.
     assert not isinstance(layers[1].wqkv, (QuantizedWeight, Q6KWeight))
@@ -105,10 +119,11 @@ def test_small_forwards_take_the_q6k_blocks_and_agree_with_the_dense_path(q6k_gg
     prompt = list(range(3, 40))
     for runner in (dense, quant):
         runner.forward([0], [prompt], [1])
-    small = [r.forward([0], [[5, 9][:Q6K_ROWS]], [Q6K_ROWS]).float() for r in (dense, quant)]
+    small = [r.forward([0], [[5, 9]], [2]).float() for r in (dense, quant)]
     for runner in (dense, quant):
         runner.truncate(0, len(prompt))
-    large = [r.forward([0], [[5, 9, 11, 17, 23]], [5]).float() for r in (dense, quant)]  # 5 rows: dense
+    over = list(range(5, 6 + limit))  # one row past the limit: dense
+    large = [r.forward([0], [over], [len(over)]).float() for r in (dense, quant)]
     assert torch.equal(large[0], large[1])
     # The same weights (the dense path rounds each to bf16; the kernel takes them as stored).
     p, q = (torch.log_softmax(x, -1) for x in small)

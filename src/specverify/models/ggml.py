@@ -4,8 +4,10 @@ PyTorch has no kernel for Q6_K (6-bit codes, a scale per 16 values), so a target
 LM head, half its v / down projections) were streamed as bf16: 2 bytes a weight against Q6_K's 0.82.
 `ggml_matmul.cpp` reads the blocks themselves with AVX512-BF16 dot products; it is compiled once per
 machine on first use (torch's C++ extension builder, ~30 s, cached under ~/.cache/torch_extensions).
-Where it cannot be built or does not check out (no compiler, a CPU without AVX512-BF16), the dense
-path stays. The weights are exactly the file's; only the summation order differs from a dense matmul.
+The weights are exactly the file's; only the summation order differs from a dense matmul. A CPU without
+AVX512-BF16 (but with AVX2) takes x as int8 per 32 values instead, as the Q4_K kernel does, and byte
+dot products (maddubs / madd) with the 6-bit codes: there the dense path is float32 (4 bytes a weight).
+Where it cannot be built or does not check out (no compiler, no AVX2), the dense path stays.
 The same extension holds the Q4_K kernel (`q4k.py`); `ggml_extension` builds it for both.
 """
 
@@ -29,9 +31,14 @@ logger = logging.getLogger(__name__)
 
 # Forwards over at most this many rows use the kernel (and never more than the loader's own limit).
 Q6K_ROWS = 2
+# The int8 kernel's own limit (no AVX512-BF16): a whole default-target forward on a 2-core AVX2 EPYC
+# (float32 dense path, Q4_K kernel on) ran 1.71x at 1 row, 1.20x at 8, 1.05x at 16, 0.97x at 32.
+Q6K_INT8_ROWS = 16
 Q6K_BLOCK_VALUES = 256
 Q6K_BLOCK_BYTES = 210
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+# The extension's least CPU: its Q4_K kernel has an AVX2 version (`q4k.py`).
+_BUILD_FLAGS = ("avx2", "fma", "f16c")
 _kernels: ModuleType | None | bool = False  # False: not tried yet; None: unavailable
 _extension: ModuleType | None | bool = False  # the same, for the build
 
@@ -63,8 +70,10 @@ def ggml_extension() -> ModuleType | None:
         return _extension  # type: ignore[return-value]
     _extension = None
     flags = _cpu_flags()
-    if not all(f in flags for f in ("avx512f", "avx512bw")):
-        logger.info("GGML kernels off: this CPU lacks AVX-512")
+    if not all(f in flags for f in _BUILD_FLAGS):
+        logger.info(
+            "GGML kernels off: this CPU lacks %s", ", ".join(f for f in _BUILD_FLAGS if f not in flags)
+        )
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -92,26 +101,40 @@ def q6k_kernels() -> ModuleType | None:
     if _kernels is not False:
         return _kernels  # type: ignore[return-value]
     _kernels = None
-    flags = _cpu_flags()
     if os.environ.get("SPECVERIFY_Q6K_KERNEL", "1") == "0":
         return None
-    if not all(f in flags for f in _CPU_FLAGS):
-        logger.info("Q6_K kernel off: this CPU lacks %s", ", ".join(f for f in _CPU_FLAGS if f not in flags))
-        return None
     module = ggml_extension()
-    if module is None or not module.has_q6k():
+    if module is None or not (module.has_q6k() or module.has_q4k()):
         return None
+    if not module.has_q6k():
+        flags = _cpu_flags()
+        logger.info(
+            "Q6_K kernel with int8 activations: this CPU lacks %s",
+            ", ".join(f for f in _CPU_FLAGS if f not in flags),
+        )
     try:
         _self_check(module)
     except Exception as e:  # noqa: BLE001 - any check failure keeps the dense path
-        logger.warning("Q6_K kernel unavailable (%s: %s); its tensors stay bf16", type(e).__name__, e)
+        logger.warning("Q6_K kernel unavailable (%s: %s); its tensors stay dense", type(e).__name__, e)
         return None
     _kernels = module
     return module
 
 
+def q6k_reads_int8(module: ModuleType) -> bool:
+    """Whether `module`'s Q6_K kernel rounds x to int8 per 32 values (CPUs without AVX512-BF16), as the
+    Q4_K kernel does, rather than taking it as bf16."""
+    return not module.has_q6k()
+
+
+def q6k_row_limit(module: ModuleType, loader_rows: int) -> int:
+    """The most rows a forward may have for `module`'s Q6_K kernel to take it."""
+    return Q6K_INT8_ROWS if q6k_reads_int8(module) else min(loader_rows, Q6K_ROWS)
+
+
 def _self_check(module: ModuleType) -> None:
-    """The kernel against gguf's own dequantisation on random blocks."""
+    """The kernel against gguf's own dequantisation on random blocks (times the kernel's own int8
+    reading of x, where it reads x so)."""
     import gguf.quants as gq
 
     rng = np.random.default_rng(0)
@@ -121,13 +144,24 @@ def _self_check(module: ModuleType) -> None:
     w = torch.from_numpy(gq.Q6_K.dequantize_blocks(blocks).reshape(n, k)).double()
     x = torch.from_numpy(rng.standard_normal((3, k), dtype=np.float32)).bfloat16()
     got = q6k_matmul(module, x, torch.from_numpy(blocks.reshape(-1)), n).double()
-    want = x.double() @ w.T
+    want = q6k_reading_of_x(module, x) @ w.T
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
         raise RuntimeError(f"self-check failed: max error {(got - want).abs().max().item():.3g}")
 
 
+def q6k_reading_of_x(module: ModuleType, x: torch.Tensor) -> torch.Tensor:
+    """x as the Q6_K kernel multiplies it, in float64: bf16, or int8 codes times their scale per 32."""
+    if not q6k_reads_int8(module):
+        return x.to(torch.bfloat16).double()
+    codes, scales, _ = module.q4k_quantize(x.contiguous(), 32)
+    return codes.double() * scales.double().repeat_interleave(32, dim=1)
+
+
 def q6k_matmul(module: ModuleType, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] (M <= 8) @ the Q6_K weight [n, K]^T -> float32 [M, n]."""
+    if q6k_reads_int8(module):
+        xi = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
+        return module.q6k_int8_matmul(xi.contiguous(), blocks, n)
     m, k = x.shape
     xb = x.to(torch.bfloat16)
     # The kernel pairs bytes within 128-bit lanes: per 64 values, the first 8 of each 16 then the last 8.

@@ -11,6 +11,9 @@
 // its Q4_K dot products) and multiplied with the 4-bit codes by AVX512-VNNI byte dot products, twice as
 // many multiply-adds per instruction as bf16's, reading 0.58 bytes a weight; see the Q4_K section below.
 //
+// Without AVX-512 (an AVX2 CPU, where the dense path is float32) the Q4_K kernel runs the same layout in
+// AVX2, and Q6_K takes x in int8 as Q4_K does (the int8 Q6_K section below).
+//
 // Each kernel is compiled only where the compiler targets its instructions (-march=native); the Python
 // side checks the CPU's flags before calling it.
 #include <torch/extension.h>
@@ -23,12 +26,20 @@
 #include <cstring>
 #include <type_traits>
 
+// The Q4_K kernel (and the int8 Q6_K one) in AVX-512 VNNI, or else in AVX2 (maddubs / madd in place of
+// one VNNI dot product: three instructions on half the width).
+#if defined(__AVX512VNNI__)
+#define SPECVERIFY_Q4K 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECVERIFY_Q4K 256
+#endif
+
 namespace {
 
 constexpr int kBlockValues = 256;  // ggml's QK_K
+constexpr int kQ6KBytes = 210;     // ql[128], qh[64], scales[16] (int8), d (fp16)
 
 #if defined(__AVX512BF16__)
-constexpr int kQ6KBytes = 210;     // ql[128], qh[64], scales[16] (int8), d (fp16)
 
 // One Q6_K block's 6-bit codes (0..63), in value order (the layout gguf-py's dequantisation reads):
 // value 128 h + 32 j + l takes nibble (j >= 2) of ql[64 h + 32 (j & 1) + l] and bits 2 j of qh[32 h + l].
@@ -106,7 +117,7 @@ void q6k_dispatch(const uint16_t* x, const float* xsum, const uint8_t* blocks, f
 }
 #endif  // __AVX512BF16__
 
-#if defined(__AVX512VNNI__)
+#if defined(SPECVERIFY_Q4K)
 // ---------------------------------------------------------------------------------------------- Q4_K
 //
 // Q4_K (144 bytes per 256 values): d, dmin (fp16), 12 bytes of 6-bit scales and mins for 8 sub-blocks of
@@ -141,6 +152,7 @@ inline void q4k_scale_min(const uint8_t* q, int i, uint8_t* sc, uint8_t* mn) {
   }
 }
 
+#if SPECVERIFY_Q4K == 512
 // int8 activations per `group` values (32 or 256): dx = max |x| / 127, xq = round(x / dx). Per 32 values,
 // `xs` gets dx and `xm` dx times the sum of the xq (the mins' term).
 template <typename T>
@@ -226,20 +238,200 @@ void q4k_tile(const uint8_t* tile, int64_t per_row, const int8_t* xq, const floa
   for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * n + row0, mask, acc[m]);
 }
 
+#else  // AVX2: the same packed layout, 8 output rows (one 32-byte half of each 64) per pass
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline int32_t hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// As the AVX-512 version: dx = max |x| / 127, xq = round(x / dx), per `group` values.
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, int8_t* xq, float* xs, float* xm) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  // packs_epi32 then packs_epi16 interleave 128-bit lanes; this puts the 32 bytes back in value order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < k; g += group) {
+      const int64_t base = r * k + g;
+      __m256 amax = _mm256_setzero_ps();
+      for (int c = 0; c < group / 8; ++c) amax = _mm256_max_ps(amax, _mm256_and_ps(load8(x + base + 8 * c), abs_mask));
+      const float top = hmax8(amax);
+      const float dx = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+      const __m256 scale = _mm256_set1_ps(inv);
+      for (int c = 0; c < group / 8; c += 4) {
+        __m256i a[4];
+        for (int i = 0; i < 4; ++i) a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + base + 8 * (c + i)), scale));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + base + 8 * c), _mm256_permutevar8x32_epi32(bytes, order));
+        const int64_t sub = base / 32 + c / 4;
+        xs[sub] = dx;
+        xm[sub] = dx * static_cast<float>(hsum8i(_mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3]))));
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + M) of y for one tile of 16 output rows starting at row0, in two passes of 8 rows.
+template <int M>
+void q4k_tile(const uint8_t* tile, int64_t per_row, const int8_t* xq, const float* xs, const float* xm,
+              int64_t k, float* y, int64_t n, int64_t row0) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2 && row0 + 8 * h < n; ++h) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < per_row; ++b) {
+      const uint8_t* rec = tile + b * kQ4KPackedBytes;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kDOffset + 16 * h)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kDminOffset + 16 * h)));
+      for (int i = 0; i < 8; ++i) {
+        if (h == 0) {  // the second pass finds the tile in cache
+          for (int line = 0; line < 5; ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * kQ4KPackedBytes + 64 * (5 * i + line)), _MM_HINT_T0);
+        }
+        const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + kScOffset + 16 * i + 8 * h)))));
+        const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + kMinOffset + 16 * i + 8 * h)))));
+        __m256i dot[M];
+        for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
+        const int64_t xoff = b * 256 + 32 * i;
+        for (int v = 0; v < 4; ++v) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256 * i + 64 * v + 32 * h));
+          const __m256i lo = _mm256_and_si256(w, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+          for (int m = 0; m < M; ++m) {
+            const int8_t* xp = xq + m * k + xoff + 4 * v;
+            int32_t a, c;
+            std::memcpy(&a, xp, 4);
+            std::memcpy(&c, xp + 16, 4);
+            // maddubs / madd: AVX2's stand-in for a VNNI dot product (pair sums <= 4 * 15 * 127: no saturation)
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
+                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+          }
+        }
+        const int64_t sub = (b * 256 + 32 * i) / 32;
+        for (int m = 0; m < M; ++m) {
+          const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_set1_ps(xs[m * (k / 32) + sub]));
+          acc[m] = _mm256_fmadd_ps(scaled, sc, acc[m]);
+          acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(xm[m * (k / 32) + sub]), acc[m]);
+        }
+      }
+    }
+    const int64_t first = row0 + 8 * h, valid = std::min<int64_t>(8, n - first);
+    for (int m = 0; m < M; ++m) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[m]);
+      std::memcpy(y + m * n + first, out, valid * sizeof(float));
+    }
+  }
+}
+#endif
+
+// Rows of x per call of q4k_tile: its accumulators stay in registers (32 of AVX-512, 16 of AVX2).
+constexpr int kPassRows = SPECVERIFY_Q4K == 512 ? 8 : 4;
+
 void q4k_tile_rows(int rows, const uint8_t* tile, int64_t per_row, const int8_t* xq, const float* xs,
                    const float* xm, int64_t k, float* y, int64_t n, int64_t row0) {
   switch (rows) {
     case 1: q4k_tile<1>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
     case 2: q4k_tile<2>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
     case 3: q4k_tile<3>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
+#if SPECVERIFY_Q4K == 512
     case 4: q4k_tile<4>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
     case 5: q4k_tile<5>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
     case 6: q4k_tile<6>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
     case 7: q4k_tile<7>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
-    default: q4k_tile<8>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
+#endif
+    default: q4k_tile<kPassRows>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
   }
 }
-#endif  // __AVX512VNNI__
+// ------------------------------------------------------------------------------------ Q6_K, int8 x
+//
+// For CPUs without AVX512-BF16: the codes c (0..63) of 32 values at a time against x quantized to int8
+// per 32 values (as for Q4_K), so w = d s (c - 32) gives, per 16-value sub-block,
+//   dx d s (sum(c xq) - 32 sum(xq));
+// the second term (`xoff`: 32 dx sum(xq) per 16 values, computed once per call) is taken off per block
+// with the 16 sub-block scales. One output row at a time, as the bf16 kernel.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <int M>
+void q6k_int8_rows(const int8_t* xq, const float* xs, const float* xoff, const uint8_t* blocks, float* y,
+                   int64_t k, int64_t n, int64_t begin, int64_t end) {
+  const int64_t per_row = k / kBlockValues;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  __m256i lane_sub[4];  // int32 lane t of values 32 j .. 32 j + 31 of a half -> its sub-block 2 j + t / 4
+  for (int j = 0; j < 4; ++j) lane_sub[j] = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+  for (int64_t row = begin; row < end; ++row) {
+    __m256 acc[M], off[M];
+    for (int m = 0; m < M; ++m) acc[m] = off[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < per_row; ++b) {
+      const uint8_t* block = blocks + (row * per_row + b) * kQ6KBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * kQ6KBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * kQ6KBytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * kQ6KBytes + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * kQ6KBytes + 192), _MM_HINT_T0);
+      uint16_t d_bits;
+      std::memcpy(&d_bits, block + 208, 2);
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(d_bits));
+      const __m128i sub_scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+      const __m256 scales[2] = {
+          _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub_scales))),
+          _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sub_scales, 8))))};
+      for (int m = 0; m < M; ++m) {
+        const float* o = xoff + m * (k / 16) + b * 16;
+        off[m] = _mm256_fmadd_ps(scales[0], _mm256_loadu_ps(o), off[m]);
+        off[m] = _mm256_fmadd_ps(scales[1], _mm256_loadu_ps(o + 8), off[m]);
+      }
+      for (int h = 0; h < 2; ++h) {
+        // Value 128 h + 32 j + l: nibble (j >= 2) of ql[64 h + 32 (j & 1) + l], bits 2 j of qh[32 h + l].
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+        const __m256i codes[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45)),
+            _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45))};
+        for (int j = 0; j < 4; ++j) {
+          const __m256 s = _mm256_permutevar8x32_ps(scales[h], lane_sub[j]);
+          const int64_t g = b * 8 + 4 * h + j;  // the 32 values' activation group
+          for (int m = 0; m < M; ++m) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + 32 * g));
+            // pair sums <= 2 * 63 * 127: maddubs cannot saturate
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], xv), ones);
+            const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs[m * (k / 32) + g]));
+            acc[m] = _mm256_fmadd_ps(scaled, s, acc[m]);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * n + row] = hsum8(_mm256_sub_ps(acc[m], off[m]));
+  }
+}
+#endif  // SPECVERIFY_Q4K
 
 }  // namespace
 
@@ -275,7 +467,7 @@ torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor xsum, torch::Tensor bloc
 #endif
 }
 
-#if defined(__AVX512VNNI__)
+#if defined(SPECVERIFY_Q4K)
 torch::Tensor q4k_pack(torch::Tensor blocks, int64_t n, int64_t k) {
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(), "blocks must be contiguous uint8");
   TORCH_CHECK(n >= 1 && k >= kBlockValues && k % kBlockValues == 0, "K must be a positive multiple of 256, got ", k);
@@ -359,15 +551,50 @@ torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = wp + t * per_row * kQ4KPackedBytes;
-      for (int64_t m0 = 0; m0 < m; m0 += 8) {
-        q4k_tile_rows(static_cast<int>(std::min<int64_t>(8, m - m0)), tile, per_row, xq.data() + m0 * k,
+      for (int64_t m0 = 0; m0 < m; m0 += kPassRows) {
+        q4k_tile_rows(static_cast<int>(std::min<int64_t>(kPassRows, m - m0)), tile, per_row, xq.data() + m0 * k,
                       xs.data() + m0 * (k / 32), xm.data() + m0 * (k / 32), k, yp + m0 * n, n, t * kTileRows);
       }
     }
   });
   return y;
 }
-#endif  // __AVX512VNNI__
+// x [M, K] (bf16 / float32) @ Q6_K blocks [N rows of K]^T -> [M, N] float32, with x in int8 (no AVX512-BF16).
+torch::Tensor q6k_int8_matmul(torch::Tensor x, torch::Tensor blocks, int64_t n) {
+  check_q4k_activations(x, 32);
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(m >= 1, "x has no rows");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(), "blocks must be contiguous uint8");
+  TORCH_CHECK(n >= 1 && blocks.numel() == n * (k / kBlockValues) * kQ6KBytes, "blocks do not hold ", n, " rows of ", k);
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xs(m * k / 32), xm(m * k / 32), xoff(m * k / 16);
+  quantize_any(x, 32, xq.data(), xs.data(), xm.data());
+  for (int64_t i = 0; i < m * k / 16; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += xq[16 * i + j];
+    xoff[i] = 32.f * xs[i / 2] * static_cast<float>(sum);
+  }
+  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 16 * 1536 / k);
+  // Rows of x four at a time within each task's output rows, whose weights stay in cache meanwhile.
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += 4) {
+      const int8_t* q = xq.data() + m0 * k;
+      const float *s = xs.data() + m0 * (k / 32), *o = xoff.data() + m0 * (k / 16);
+      float* out = yp + m0 * n;
+      switch (std::min<int64_t>(4, m - m0)) {
+        case 1: q6k_int8_rows<1>(q, s, o, bp, out, k, n, begin, end); break;
+        case 2: q6k_int8_rows<2>(q, s, o, bp, out, k, n, begin, end); break;
+        case 3: q6k_int8_rows<3>(q, s, o, bp, out, k, n, begin, end); break;
+        default: q6k_int8_rows<4>(q, s, o, bp, out, k, n, begin, end); break;
+      }
+    }
+  });
+  return y;
+}
+#endif  // SPECVERIFY_Q4K
 
 bool has_q6k() {
 #if defined(__AVX512BF16__)
@@ -378,7 +605,7 @@ bool has_q6k() {
 }
 
 bool has_q4k() {
-#if defined(__AVX512VNNI__)
+#if defined(SPECVERIFY_Q4K)
   return true;
 #else
   return false;
@@ -389,9 +616,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_q6k", &has_q6k, "whether this build has the Q6_K kernel (AVX512-BF16)");
   m.def("has_q4k", &has_q4k, "whether this build has the Q4_K kernel (AVX512-VNNI)");
   m.def("q6k_matmul", &q6k_matmul, "x [M, K] bf16 (permuted) @ Q6_K blocks [N rows of K]^T -> [M, N] float32");
-#if defined(__AVX512VNNI__)
+#if defined(SPECVERIFY_Q4K)
   m.def("q4k_pack", &q4k_pack, "Q4_K blocks [N rows of K] -> the Q4_K kernel's layout (16-row tiles)");
   m.def("q4k_quantize", &q4k_quantize, "x [M, K] -> int8 codes, per-32 scale, per-32 scale * code sum");
+  m.def("q6k_int8_matmul", &q6k_int8_matmul, "x [M, K] bf16 / float32 @ Q6_K blocks [N rows of K]^T, x in int8");
   m.def("q4k_matmul", &q4k_matmul, "x [M, K] bf16 / float32 @ packed Q4_K [N rows of K]^T -> [M, N] float32");
 #endif
 }

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ggml import Q6K_ROWS, Q6KBlocks, Q6KWeight, q6k_kernels
+from .ggml import Q6KBlocks, Q6KWeight, q6k_kernels, q6k_row_limit
 from .model_config import ModelConfig
 from .q4k import Q4K_ROWS, Q4KBlocks, Q4KWeight, q4k_kernels
 from .quant import Int4Groups, QuantizedWeight, quantizable
@@ -356,7 +356,9 @@ class LlamaModel(nn.Module):
             if len(parts) == 1 and isinstance(parts[0], Q6KBlocks):
                 usable = kernels is not None and tuple(parts[0].shape) == tuple(weight.shape)
                 return (
-                    Q6KWeight(parts[0], weight.detach(), min(max_rows, Q6K_ROWS), kernels) if usable else None
+                    Q6KWeight(parts[0], weight.detach(), q6k_row_limit(kernels, max_rows), kernels)
+                    if usable
+                    else None
                 )
             if all(isinstance(p, Q4KBlocks) for p in parts):
                 module = q4k_kernels()
