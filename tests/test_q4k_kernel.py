@@ -23,6 +23,7 @@ from test_q6k_kernel import random_q6k_blocks
 
 from specverify.models import ggml, llama
 from specverify.models.ggml import Q6KWeight, q6k_kernels
+from specverify.models.llama import SplitWeight
 from specverify.models.loader import GGUFFile, load_runner
 from specverify.models.q4k import Q4K_ROWS, Q4KBlocks, Q4KWeight, q4k_kernels, q4k_matmul
 from specverify.models.quant import QuantizedWeight
@@ -130,8 +131,12 @@ def test_forwards_take_the_q4k_kernel_up_to_its_row_limit(q4k_gguf, monkeypatch)
     assert all(isinstance(getattr(layers[0], a), Q4KWeight) for a in ("wqkv", "wo", "w_gate_up", "w_down"))
     assert isinstance(layers[1].wo, Q4KWeight) and isinstance(quant.model.lm_head, Q4KWeight)
     assert quant.model.lm_head.max_rows == limit
-    # Layer 1's q and k are Q4_K and its v Q6_K: one fused weight, so the dense path.
-    assert not isinstance(layers[1].wqkv, (Q4KWeight, QuantizedWeight, Q6KWeight))
+    # Layer 1's q and k are Q4_K and its v Q6_K: both kernels side by side where the Q6_K one runs.
+    if q6k_kernels() is not None:
+        assert isinstance(layers[1].wqkv, SplitWeight)
+        assert [type(p) for p in layers[1].wqkv.parts] == [Q4KWeight, Q6KWeight]
+    else:
+        assert not isinstance(layers[1].wqkv, (Q4KWeight, QuantizedWeight, Q6KWeight, SplitWeight))
     assert quant.model.q4k_weights() == 7 and quant.model.int4_weights() == 0
     assert dense.model.q4k_weights() == 0
     if q6k_kernels() is not None:
@@ -162,3 +167,16 @@ def test_int4_path_stays_where_the_kernel_is_off(q4k_gguf, monkeypatch) -> None:
     assert quant.model.q4k_weights() == 0
     assert isinstance(quant.model.layers[0].w_gate_up, QuantizedWeight)
     assert quant.model.layers[0].w_gate_up.max_rows == 4
+
+
+@pytest.mark.skipif(q6k_kernels() is None, reason="Q6_K kernel not available on this machine")
+def test_a_fused_q4k_and_q6k_weight_runs_both_kernels_side_by_side(q4k_gguf) -> None:
+    quant, _ = load_runner(q4k_gguf, with_tokenizer=False, progress=False, int4_rows=4)
+    weight = quant.model.layers[1].wqkv
+    assert isinstance(weight, SplitWeight) and weight.max_rows == min(p.max_rows for p in weight.parts)
+    assert sum(p.shape[0] for p in weight.parts) == weight.shape[0]
+    x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    got = weight.matmul(x).double()
+    want = llama.linear(x, weight.dense).double()  # the dense path: the same weights, x unrounded
+    assert got.shape == want.shape
+    assert (got - want).norm().item() < 0.02 * want.norm().item()  # x read as int8 per 32 values

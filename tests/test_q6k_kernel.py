@@ -113,7 +113,7 @@ def test_small_forwards_take_the_q6k_blocks_and_agree_with_the_dense_path(q6k_gg
     limit = q6k_row_limit(q6k_kernels(), 4)
     assert quant.model.lm_head.max_rows == limit
     assert isinstance(layers[0].w_down, QuantizedWeight) and isinstance(layers[0].wqkv, QuantizedWeight)
-    # Layer 1's q and k are Q4_K and its v Q6_K: one fused weight, so the dense path.
+    # Layer 1's q and k are Q4_K and its v Q6_K: without the Q4_K kernel, the dense path.
     assert not isinstance(layers[1].wqkv, (QuantizedWeight, Q6KWeight))
     assert quant.model.q6k_weights() == 2 and dense.model.q6k_weights() == 0
     prompt = list(range(3, 40))

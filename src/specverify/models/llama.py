@@ -22,8 +22,23 @@ from .model_config import ModelConfig
 from .q4k import Q4K_ROWS, Q4KBlocks, Q4KWeight, q4k_kernels
 from .quant import Int4Groups, QuantizedWeight, quantizable
 
+
+class SplitWeight:
+    """A fused weight whose parts are stored in different formats (a Q4_K_M file's Q4_K q and k beside
+    a Q6_K v): each run of parts through its own kernel, the outputs side by side, at up to the parts'
+    least row limit; the fused `dense` weight above it."""
+
+    def __init__(self, parts: list[Q4KWeight | Q6KWeight], dense: torch.Tensor) -> None:
+        self.parts, self.dense, self.shape = parts, dense, dense.shape
+        self.max_rows = min(p.max_rows for p in parts)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+
 # Weights with a quantized copy for forwards over at most `max_rows` rows, beside their dense path.
-ROW_LIMITED = (QuantizedWeight, Q6KWeight, Q4KWeight)
+ROW_LIMITED = (QuantizedWeight, Q6KWeight, Q4KWeight, SplitWeight)
 
 # KV caches grow in blocks of this many positions (copying the cache each time: one copy per 256 decoded
 # tokens costs well under 1 % of decoding; doubling would leave up to half of a cache unused and uncounted).
@@ -352,7 +367,7 @@ class LlamaModel(nn.Module):
 
         def replace(
             weight: torch.Tensor, parts: list[Int4Groups | Q6KBlocks | Q4KBlocks]
-        ) -> QuantizedWeight | Q6KWeight | Q4KWeight | None:
+        ) -> QuantizedWeight | Q6KWeight | Q4KWeight | SplitWeight | None:
             if len(parts) == 1 and isinstance(parts[0], Q6KBlocks):
                 usable = kernels is not None and tuple(parts[0].shape) == tuple(weight.shape)
                 return (
@@ -366,12 +381,34 @@ class LlamaModel(nn.Module):
                 if module is None or tuple(cat.shape) != tuple(weight.shape):
                     return None
                 return Q4KWeight(cat, weight.detach(), Q4K_ROWS, module)
+            if all(isinstance(p, (Q4KBlocks, Q6KBlocks)) for p in parts):
+                return split(weight, parts)  # type: ignore[arg-type]
             if not all(isinstance(p, Int4Groups) for p in parts):
-                return None  # Q4_K next to Q6_K in one fused weight: the dense path
+                return None  # Q4_K codes for the int4 path next to Q6_K blocks: the dense path
             cat = Int4Groups.cat(parts)
             if not quantizable(weight.shape, 4, 32) or tuple(cat.codes.shape) != tuple(weight.shape):
                 return None
             return QuantizedWeight(weight, weight.detach(), 4, 32, max_rows, groups=cat)
+
+        def split(weight: torch.Tensor, parts: list[Q4KBlocks | Q6KBlocks]) -> SplitWeight | None:
+            q4k_module = q4k_kernels()
+            if kernels is None or q4k_module is None or sum(p.shape[0] for p in parts) != weight.shape[0]:
+                return None
+            # The parts run only at their row counts (the fused dense path serves above): no dense copies.
+            none = weight.new_empty(0)
+            groups: list[list[Q4KBlocks | Q6KBlocks]] = []
+            for p in parts:  # consecutive Q4_K parts share one matmul
+                if groups and isinstance(p, Q4KBlocks) and isinstance(groups[-1][0], Q4KBlocks):
+                    groups[-1].append(p)
+                else:
+                    groups.append([p])
+            runs: list[Q4KWeight | Q6KWeight] = [
+                Q6KWeight(g[0], none, q6k_row_limit(kernels, max_rows), kernels)
+                if isinstance(g[0], Q6KBlocks)
+                else Q4KWeight(Q4KBlocks.cat(g), none, Q4K_ROWS, q4k_module)  # type: ignore[arg-type]
+                for g in groups
+            ]
+            return SplitWeight(runs, weight.detach())
 
         for i, layer in enumerate(self.layers):
             for attr, parts in fused.items():
