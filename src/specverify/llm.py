@@ -92,7 +92,7 @@ def load_models(
         bits = DRAFT_QUANTIZATIONS[draft_quantization]
         rows = quantize_draft(draft, bits) if bits else 0  # before the subset: its head then takes that form
         if rows:
-            kernel = " VNNI" if bits == 4 and int4_kernels() is not None else ""
+            kernel = f" {q4k_instructions()}" if bits == 4 and int4_kernels() is not None else ""
             draft_name += f" (int{bits}{kernel} <= {rows} rows)"  # keys cached cost profiles apart
         if draft_vocab_size and draft_vocab_size < draft.vocab_size:
             restrict_draft_vocabulary(draft, draft_tokenizer, draft_vocab_size, progress)

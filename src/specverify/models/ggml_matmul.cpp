@@ -26,6 +26,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "avx2_int8.h"
+
 // The Q4_K kernel (and the int8 Q6_K one) in AVX-512 VNNI, or else in AVX2 (maddubs / madd in place of
 // one VNNI dot product: three instructions on half the width).
 #if defined(__AVX512VNNI__)
@@ -239,60 +241,13 @@ void q4k_tile(const uint8_t* tile, int64_t per_row, const int8_t* xq, const floa
 }
 
 #else  // AVX2: the same packed layout, 8 output rows (one 32-byte half of each 64) per pass
-template <typename T>
-inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
-inline float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline int32_t hsum8i(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
-// As the AVX-512 version: dx = max |x| / 127, xq = round(x / dx), per `group` values.
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, int8_t* xq, float* xs, float* xm) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  // packs_epi32 then packs_epi16 interleave 128-bit lanes; this puts the 32 bytes back in value order.
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t g = 0; g < k; g += group) {
-      const int64_t base = r * k + g;
-      __m256 amax = _mm256_setzero_ps();
-      for (int c = 0; c < group / 8; ++c) amax = _mm256_max_ps(amax, _mm256_and_ps(load8(x + base + 8 * c), abs_mask));
-      const float top = hmax8(amax);
-      const float dx = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
-      const __m256 scale = _mm256_set1_ps(inv);
-      for (int c = 0; c < group / 8; c += 4) {
-        __m256i a[4];
-        for (int i = 0; i < 4; ++i) a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + base + 8 * (c + i)), scale));
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + base + 8 * c), _mm256_permutevar8x32_epi32(bytes, order));
-        const int64_t sub = base / 32 + c / 4;
-        xs[sub] = dx;
-        xm[sub] = dx * static_cast<float>(hsum8i(_mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3]))));
-      }
-    }
-  }
-}
+using avx2::quantize_rows;
 
 // Rows [m0, m0 + M) of y for one tile of 16 output rows starting at row0, in two passes of 8 rows.
 template <int M>
 void q4k_tile(const uint8_t* tile, int64_t per_row, const int8_t* xq, const float* xs, const float* xm,
               int64_t k, float* y, int64_t n, int64_t row0) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2 && row0 + 8 * h < n; ++h) {
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -309,23 +264,32 @@ void q4k_tile(const uint8_t* tile, int64_t per_row, const int8_t* xq, const floa
                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + kScOffset + 16 * i + 8 * h)))));
         const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + kMinOffset + 16 * i + 8 * h)))));
-        __m256i dot[M];
-        for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
-        const int64_t xoff = b * 256 + 32 * i;
+        __m256i lo[4], hi[4];
         for (int v = 0; v < 4; ++v) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256 * i + 64 * v + 32 * h));
-          const __m256i lo = _mm256_and_si256(w, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-          for (int m = 0; m < M; ++m) {
-            const int8_t* xp = xq + m * k + xoff + 4 * v;
-            int32_t a, c;
-            std::memcpy(&a, xp, 4);
-            std::memcpy(&c, xp + 16, 4);
-            // maddubs / madd: AVX2's stand-in for a VNNI dot product (pair sums <= 4 * 15 * 127: no saturation)
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
-                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
-            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+          lo[v] = _mm256_and_si256(w, low4);
+          hi[v] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        }
+        const int64_t xoff = b * 256 + 32 * i;
+        __m256i dot[M];
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xp = xq + m * k + xoff;
+          // maddubs / madd: AVX2's stand-in for VNNI dot products; 4 maddubs summed in int16 (at most
+          // 8 * 15 * 127: no saturation) before one madd to int32.
+          __m256i pairs[2];
+          for (int p = 0; p < 2; ++p) {
+            int32_t a0, a1, c0, c1;
+            std::memcpy(&a0, xp + 8 * p, 4);
+            std::memcpy(&a1, xp + 8 * p + 4, 4);
+            std::memcpy(&c0, xp + 16 + 8 * p, 4);
+            std::memcpy(&c1, xp + 16 + 8 * p + 4, 4);
+            pairs[p] = _mm256_add_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo[2 * p], _mm256_set1_epi32(a0)),
+                                 _mm256_maddubs_epi16(lo[2 * p + 1], _mm256_set1_epi32(a1))),
+                _mm256_add_epi16(_mm256_maddubs_epi16(hi[2 * p], _mm256_set1_epi32(c0)),
+                                 _mm256_maddubs_epi16(hi[2 * p + 1], _mm256_set1_epi32(c1))));
           }
+          dot[m] = _mm256_add_epi32(_mm256_madd_epi16(pairs[0], ones), _mm256_madd_epi16(pairs[1], ones));
         }
         const int64_t sub = (b * 256 + 32 * i) / 32;
         for (int m = 0; m < M; ++m) {
@@ -370,12 +334,6 @@ void q4k_tile_rows(int rows, const uint8_t* tile, int64_t per_row, const int8_t*
 //   dx d s (sum(c xq) - 32 sum(xq));
 // the second term (`xoff`: 32 dx sum(xq) per 16 values, computed once per call) is taken off per block
 // with the 16 sub-block scales. One output row at a time, as the bf16 kernel.
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 template <int M>
 void q6k_int8_rows(const int8_t* xq, const float* xs, const float* xoff, const uint8_t* blocks, float* y,
                    int64_t k, int64_t n, int64_t begin, int64_t end) {
@@ -428,7 +386,7 @@ void q6k_int8_rows(const int8_t* xq, const float* xs, const float* xoff, const u
         }
       }
     }
-    for (int m = 0; m < M; ++m) y[m * n + row] = hsum8(_mm256_sub_ps(acc[m], off[m]));
+    for (int m = 0; m < M; ++m) y[m * n + row] = avx2::hsum8(_mm256_sub_ps(acc[m], off[m]));
   }
 }
 #endif  // SPECVERIFY_Q4K

@@ -1,12 +1,13 @@
 """Int4 weights with a scale and a low end per 32 values (`quant.Int4Groups`), multiplied by AVX512-VNNI
-byte dot products at the few rows of drafting and verification (CPU).
+byte dot products (or AVX2's maddubs / madd without VNNI) at the few rows of drafting and verification
+(CPU).
 
 PyTorch's `_weight_int4pack_mm_for_cpu` streamed these weights at ~14 GB/s at one row (14.3 ms of a 20 ms
 draft forward) where this machine reads ~40. `int4_matmul.cpp` quantizes the activations to int8 per 32
 values and multiplies them with the 4-bit codes in integer arithmetic, each group scaled in float32. It is
 compiled once per machine on first use (torch's C++ extension builder, ~30 s, cached under
 ~/.cache/torch_extensions). Where it cannot be built or does not check out (no compiler, a CPU without
-AVX512-VNNI), or with SPECVERIFY_INT4_KERNEL=0, `QuantizedWeight` keeps PyTorch's kernel. The weights are
+AVX2), or with SPECVERIFY_INT4_KERNEL=0, `QuantizedWeight` keeps PyTorch's kernel. The weights are
 the same codes, scales and low ends (rounded to bf16, as PyTorch's path rounds them); the activations'
 rounding to 8 bits per group is the only change, ~0.3 % of a matmul's output (rms); one scale per row
 instead was ~8x further from PyTorch's int4 path in the draft's next-token distribution (mean KL) and no
@@ -23,22 +24,13 @@ from types import ModuleType
 
 import torch
 
+from .ggml import _cpu_flags
+
 logger = logging.getLogger(__name__)
 
 INT4_GROUP = 32
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+_CPU_FLAGS = ("avx2", "fma", "f16c")  # AVX512-VNNI where the CPU has it, else the AVX2 version
 _kernels: ModuleType | None | bool = False  # False: not tried yet; None: unavailable
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def int4_kernels() -> ModuleType | None:
@@ -69,7 +61,7 @@ def int4_kernels() -> ModuleType | None:
             verbose=False,
         )
         if not module.has_int4():
-            raise RuntimeError("the compiler did not target AVX512-VNNI")
+            raise RuntimeError("the compiler did not target AVX2")
         _self_check(module)
     except Exception as e:  # noqa: BLE001 - any build or check failure keeps PyTorch's int4 kernel
         logger.warning("int4 kernel unavailable (%s: %s); PyTorch's int4 kernel stays", type(e).__name__, e)

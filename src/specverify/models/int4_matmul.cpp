@@ -14,8 +14,11 @@
 // nibble: value 4 v + j, high nibble: value 16 + 4 v + j), then scale and low as bf16 [16] each: 320
 // bytes, read front to back, so the hardware prefetcher sees one stream per thread.
 //
-// Compiled with -march=native; without AVX512-VNNI the functions only raise (the Python side checks the
-// CPU's flags before building).
+// Without AVX512-VNNI the same layout runs in AVX2: each VNNI dot product becomes maddubs / madd, over
+// 8 output rows (one 32-byte half of each 64) per pass.
+//
+// Compiled with -march=native; without AVX2 the functions only raise (the Python side checks the CPU's
+// flags before building).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,15 +30,23 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2_int8.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SPECVERIFY_INT4 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPECVERIFY_INT4 256
+#endif
+
 namespace {
 
 constexpr int kGroup = 32;         // values per scale / low end
 constexpr int kTileRows = 16;      // output rows per packed tile: one int32 lane each
 constexpr int kCodeBytes = 256;    // 16 rows x 32 values x 4 bits
 constexpr int kRecordBytes = 320;  // codes, scale bf16 [16], low bf16 [16]
-constexpr int kMaxTile = 8;        // activation rows per pass over a tile's weights
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if SPECVERIFY_INT4 == 512
+constexpr int kMaxTile = 8;        // activation rows per pass over a tile's weights
 
 // bf16 [16] -> float32 [16]: a bf16 is the top half of a float.
 inline __m512 load_bf16(const uint8_t* p) {
@@ -137,12 +148,72 @@ using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, co
 constexpr TileFn kTileFns[kMaxTile] = {tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>,
                                        tile_rows<5>, tile_rows<6>, tile_rows<7>, tile_rows<8>};
 
-#endif  // __AVX512VNNI__ && __AVX512BW__
+#elif SPECVERIFY_INT4 == 256
+constexpr int kMaxTile = 4;  // activation rows per pass over a tile's weights (16 ymm registers)
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, bool per_row, int8_t* xq, float* dx, float* sx) {
+  avx2::quantize_rows(x, m, k, per_row ? k : kGroup, xq, dx, sx);
+}
+
+// Rows [0, M) of y (row stride n) for one tile of 16 output rows starting at row0, 8 rows per pass.
+template <int M>
+void tile_rows(const uint8_t* tile, int64_t groups, const int8_t* xq, const float* dx, const float* sx, int64_t k,
+               float* y, int64_t n, int64_t row0) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2 && row0 + 8 * h < n; ++h) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* rec = tile + g * kRecordBytes;
+      __m256i lo[4], hi[4];
+      for (int v = 0; v < 4; ++v) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * v + 32 * h));
+        lo[v] = _mm256_and_si256(w, low4);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      }
+      const __m256 scale = avx2::load_bf16x8(rec + kCodeBytes + 16 * h);
+      const __m256 low = avx2::load_bf16x8(rec + kCodeBytes + 32 + 16 * h);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xp = xq + m * k + g * kGroup;
+        // u8 codes x s8 activations in int16 pairs (4 maddubs summed: at most 8 * 15 * 127), then int32.
+        __m256i pairs[2];
+        for (int p = 0; p < 2; ++p) {
+          int32_t a0, a1, c0, c1;
+          std::memcpy(&a0, xp + 8 * p, 4);
+          std::memcpy(&a1, xp + 8 * p + 4, 4);
+          std::memcpy(&c0, xp + 16 + 8 * p, 4);
+          std::memcpy(&c1, xp + 16 + 8 * p + 4, 4);
+          pairs[p] = _mm256_add_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo[2 * p], _mm256_set1_epi32(a0)),
+                               _mm256_maddubs_epi16(lo[2 * p + 1], _mm256_set1_epi32(a1))),
+              _mm256_add_epi16(_mm256_maddubs_epi16(hi[2 * p], _mm256_set1_epi32(c0)),
+                               _mm256_maddubs_epi16(hi[2 * p + 1], _mm256_set1_epi32(c1))));
+        }
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs[0], ones), _mm256_madd_epi16(pairs[1], ones));
+        const int64_t at = m * (k / kGroup) + g;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(dx[at])), acc[m]);
+        acc[m] = _mm256_fmadd_ps(low, _mm256_set1_ps(sx[at]), acc[m]);
+      }
+    }
+    const int64_t first = row0 + 8 * h, valid = std::min<int64_t>(8, n - first);
+    for (int m = 0; m < M; ++m) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[m]);
+      std::memcpy(y + m * n + first, out, valid * sizeof(float));
+    }
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, float*,
+                        int64_t, int64_t);
+constexpr TileFn kTileFns[kMaxTile] = {tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>};
+#endif  // SPECVERIFY_INT4
 
 }  // namespace
 
 bool has_int4() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECVERIFY_INT4)
   return true;
 #else
   return false;
@@ -190,7 +261,7 @@ torch::Tensor int4_pack(torch::Tensor codes, torch::Tensor scale, torch::Tensor 
 
 // x [M, K] bf16 or float32 @ the packed weight [n rows of K]^T -> float32 [M, n].
 torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, bool per_row) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECVERIFY_INT4)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
               "x must be a contiguous bf16 or float32 [M, K] tensor");
@@ -217,7 +288,7 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, bool
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = wp + t * groups * kRecordBytes;
-      // More than 8 rows: passes of 8 over the tile, whose weights are then in cache.
+      // More rows than a pass takes: more passes over the tile, whose weights are then in cache.
       for (int64_t m0 = 0; m0 < m; m0 += kMaxTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxTile, m - m0));
         kTileFns[rows - 1](tile, groups, xq.data() + m0 * k, dx.data() + m0 * groups, sx.data() + m0 * groups, k,
@@ -227,7 +298,7 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, bool
   });
   return y;
 #else
-  TORCH_CHECK(false, "this build has no int4 kernel (the compiler did not target AVX512-VNNI)");
+  TORCH_CHECK(false, "this build has no int4 kernel (the compiler did not target AVX2)");
 #endif
 }
 
