@@ -175,7 +175,7 @@ def test_a_fused_q4k_and_q6k_weight_runs_both_kernels_side_by_side(q4k_gguf) -> 
     weight = quant.model.layers[1].wqkv
     assert isinstance(weight, SplitWeight) and weight.max_rows == min(p.max_rows for p in weight.parts)
     assert sum(p.shape[0] for p in weight.parts) == weight.shape[0]
-    x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(quant.dtype)
     got = weight.matmul(x).double()
     want = llama.linear(x, weight.dense).double()  # the dense path: the same weights, x unrounded
     assert got.shape == want.shape

@@ -122,7 +122,7 @@ def test_small_forwards_take_the_q6k_blocks_and_agree_with_the_dense_path(q6k_gg
     small = [r.forward([0], [[5, 9]], [2]).float() for r in (dense, quant)]
     for runner in (dense, quant):
         runner.truncate(0, len(prompt))
-    over = list(range(5, 6 + limit))  # one row past the limit: dense
+    over = list(range(5, 6 + max(limit, 4)))  # one row past every limit (Q6_K's, int4's 4): dense
     large = [r.forward([0], [over], [len(over)]).float() for r in (dense, quant)]
     assert torch.equal(large[0], large[1])
     # The same weights (the dense path rounds each to bf16; the kernel takes them as stored).
