@@ -12,8 +12,8 @@ import time
 import torch
 
 from specverify.llm import load_models
-from specverify.models.ggml import Q6KWeight, q6k_kernels, q6k_reads_int8
-from specverify.models.llama import KVCache, SeqChunk
+from specverify.models.ggml import Q6KWeight
+from specverify.models.llama import KVCache, SeqChunk, SplitWeight
 
 
 def main() -> None:
@@ -25,11 +25,12 @@ def main() -> None:
 
     runner = load_models(speculative=False, progress=True).target
     model = runner.model
-    q6k = [w for layer in model.layers for w in (layer.wqkv, layer.w_down) if isinstance(w, Q6KWeight)]
-    q6k += [model.lm_head] if isinstance(model.lm_head, Q6KWeight) else []
+    weights = [w for layer in model.layers for w in (layer.wqkv, layer.w_down)] + [model.lm_head]
+    splits = [w for w in weights if isinstance(w, SplitWeight)]  # Q4_K q, k beside a Q6_K v
+    q6k = [w for w in weights + [p for s in splits for p in s.parts] if isinstance(w, Q6KWeight)]
     if not q6k:
         raise SystemExit("the Q6_K kernel is not in use here (see the log above for why)")
-    kernel_rows = 1 << 30 if q6k_reads_int8(q6k_kernels()) else 8  # the bf16 kernel takes <= 8 rows
+    kernel_rows = 1 << 30
     cache = KVCache(runner.config, runner.dtype, runner.device)
     cache.reserve(512, 4096)
     context = 300
@@ -54,6 +55,8 @@ def main() -> None:
                 for kernel in (False, True):
                     for w in q6k:
                         w.max_rows = kernel_rows if kernel else 0
+                    for w in splits:
+                        w.max_rows = min(p.max_rows for p in w.parts)
                     forward(rows)
                     t = time.perf_counter()
                     for _ in range(8):

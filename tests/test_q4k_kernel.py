@@ -124,7 +124,7 @@ def test_q4k_blocks_are_the_files_own(q4k_gguf) -> None:
 def test_forwards_take_the_q4k_kernel_up_to_its_row_limit(q4k_gguf, monkeypatch) -> None:
     limit = 8  # Q4K_ROWS itself is more rows than the tiny model's context
     monkeypatch.setattr(llama, "Q4K_ROWS", limit)
-    monkeypatch.setattr(ggml, "Q6K_INT8_ROWS", 2)  # the int8 Q6_K kernel too is dense from 3 rows
+    monkeypatch.setattr(ggml, "Q6K_ROWS", {"VNNI": 2, "AVX2": 2})  # the Q6_K kernel too is dense from 3 rows
     dense, _ = load_runner(q4k_gguf, with_tokenizer=False, progress=False)
     quant, _ = load_runner(q4k_gguf, with_tokenizer=False, progress=False, int4_rows=4)
     layers = quant.model.layers

@@ -23,9 +23,9 @@ from test_q4k_int4 import (
 from specverify.models.ggml import (
     Q6KWeight,
     q6k_kernels,
+    q6k_layout,
     q6k_matmul,
     q6k_reading_of_x,
-    q6k_reads_int8,
     q6k_row_limit,
 )
 from specverify.models.loader import GGUFFile, load_runner
@@ -49,16 +49,15 @@ def random_q6k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndar
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("rows", [*range(1, 9), 13, 20])
+@pytest.mark.parametrize("rows", [*range(1, 10), 13, 20])  # past one pass of rows (8, or 4 in AVX2)
 def test_kernel_matches_ggufs_dequantisation(rows: int) -> None:
-    if rows > 8 and not q6k_reads_int8(q6k_kernels()):
-        pytest.skip("the bf16 kernel takes at most 8 rows")
     rng = np.random.default_rng(rows)
     n, k = 37, 768  # an output count no tile divides, three blocks per row
     blocks = random_q6k_blocks(n, k, rng)
     w = torch.from_numpy(gq.Q6_K.dequantize_blocks(blocks.reshape(-1, 210)).reshape(n, k)).double()
     x = torch.from_numpy(rng.standard_normal((rows, k), dtype=np.float32) * 3).bfloat16()
-    got = q6k_matmul(q6k_kernels(), x, torch.from_numpy(blocks.reshape(-1)), n)
+    codes = q6k_layout(q6k_kernels(), torch.from_numpy(blocks), n, k)
+    got = q6k_matmul(q6k_kernels(), x, codes, n)
     want = q6k_reading_of_x(q6k_kernels(), x) @ w.T  # the kernel's inputs exactly, in float64
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max().item() < 1e-5 * want.abs().max().item()
@@ -67,14 +66,10 @@ def test_kernel_matches_ggufs_dequantisation(rows: int) -> None:
 def test_kernel_rejects_what_it_cannot_take() -> None:
     module = q6k_kernels()
     blocks = torch.zeros(4 * 210, dtype=torch.uint8)
-    if q6k_reads_int8(module):  # any number of rows
-        with pytest.raises(RuntimeError, match="no rows"):
-            q6k_matmul(module, torch.zeros(0, 256), blocks, 4)
-    else:
-        with pytest.raises(RuntimeError, match="1 to 8 rows"):
-            q6k_matmul(module, torch.zeros(9, 256), blocks, 4)
-    with pytest.raises(RuntimeError, match="do not hold"):
-        q6k_matmul(module, torch.zeros(1, 256), blocks, 5)
+    with pytest.raises(RuntimeError, match="no rows"):
+        q6k_matmul(module, torch.zeros(0, 256), q6k_layout(module, blocks, 4, 256), 4)
+    with pytest.raises(RuntimeError, match="do not hold"):  # 5 rows' worth of blocks expected
+        q6k_matmul(module, torch.zeros(1, 256), q6k_layout(module, blocks, 5, 256), 5)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +105,7 @@ def test_small_forwards_take_the_q6k_blocks_and_agree_with_the_dense_path(q6k_gg
     quant, _ = load_runner(q6k_gguf, with_tokenizer=False, progress=False, int4_rows=4)
     layers = quant.model.layers
     assert isinstance(layers[1].w_down, Q6KWeight) and isinstance(quant.model.lm_head, Q6KWeight)
-    limit = q6k_row_limit(q6k_kernels(), 4)
+    limit = q6k_row_limit()
     assert quant.model.lm_head.max_rows == limit
     assert isinstance(layers[0].w_down, QuantizedWeight) and isinstance(layers[0].wqkv, QuantizedWeight)
     # Layer 1's q and k are Q4_K and its v Q6_K: without the Q4_K kernel, the dense path.

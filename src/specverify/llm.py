@@ -53,7 +53,7 @@ def load_models(
     GGUF file's own Q4_K weights through the int4 kernel, and its Q6_K ones through `models/ggml.py`'s
     kernel where it builds (see `LlamaModel.use_checkpoint_codes`); where `models/q4k.py`'s kernel runs
     (AVX512-VNNI or AVX2), the Q4_K weights go through it instead at up to its own `Q4K_ROWS` rows."""
-    from specverify.models.ggml import q6k_kernels, q6k_reads_int8, q6k_row_limit
+    from specverify.models.ggml import q6k_row_limit
     from specverify.models.int4_kernel import int4_kernels
     from specverify.models.loader import load_runner, model_name
     from specverify.models.q4k import Q4K_ACT_GROUP, Q4K_ROWS, q4k_instructions
@@ -78,9 +78,7 @@ def load_models(
     if target.model.q4k_weights():  # int8 activations per group: also keys cached cost profiles apart
         target_name += f" (Q4_K {q4k_instructions()} q8/{Q4K_ACT_GROUP} <= {Q4K_ROWS} rows)"
     if target.model.q6k_weights():
-        module = q6k_kernels()
-        int8 = " q8/32" if q6k_reads_int8(module) else ""
-        target_name += f" (Q6_K kernel{int8} <= {q6k_row_limit(module, target_int4_rows)} rows)"
+        target_name += f" (Q6_K {q4k_instructions()} q8/32 <= {q6k_row_limit()} rows)"
     draft = draft_name = None
     if speculative:
         draft_path = resolve_model_path(draft_model, "draft")

@@ -4,15 +4,15 @@
 // Q6_K: at one to a few rows a matmul is bound by reading the weight. PyTorch has no kernel for Q6_K's
 // 6-bit codes with a scale per 16 values, so without this the target streamed those tensors as bf16
 // (2 bytes a weight against Q6_K's 0.82). Here each block is decoded in registers and multiplied with
-// the bf16 activations by AVX512-BF16 dot products, summed in float32: the weights are exactly the
-// file's (d * scale * (q - 32)), and only the summation order differs from a dense matmul.
+// the activations quantized to int8 per 32 values: the weights are exactly the file's
+// (d * scale * (q - 32)); see the Q6_K section below.
 //
 // Q4_K: the activations are quantized to int8 per 32 (or 256) values (llama.cpp does so per 256 for
 // its Q4_K dot products) and multiplied with the 4-bit codes by AVX512-VNNI byte dot products, twice as
 // many multiply-adds per instruction as bf16's, reading 0.58 bytes a weight; see the Q4_K section below.
 //
-// Without AVX-512 (an AVX2 CPU, where the dense path is float32) the Q4_K kernel runs the same layout in
-// AVX2, and Q6_K takes x in int8 as Q4_K does (the int8 Q6_K section below).
+// Without AVX-512 (an AVX2 CPU, where the dense path is float32) both kernels run in AVX2 (maddubs /
+// madd in place of one VNNI dot product).
 //
 // Each kernel is compiled only where the compiler targets its instructions (-march=native); the Python
 // side checks the CPU's flags before calling it.
@@ -41,83 +41,6 @@ namespace {
 constexpr int kBlockValues = 256;  // ggml's QK_K
 constexpr int kQ6KBytes = 210;     // ql[128], qh[64], scales[16] (int8), d (fp16)
 
-#if defined(__AVX512BF16__)
-
-// One Q6_K block's 6-bit codes (0..63), in value order (the layout gguf-py's dequantisation reads):
-// value 128 h + 32 j + l takes nibble (j >= 2) of ql[64 h + 32 (j & 1) + l] and bits 2 j of qh[32 h + l].
-// out[2 h] holds values 128 h + 0..63, out[2 h + 1] values 128 h + 64..127, one byte each.
-inline void decode_q6k(const uint8_t* block, __m512i out[4]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-  for (int half = 0; half < 2; ++half) {
-    const __m512i ql = _mm512_loadu_si512(block + 64 * half);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half));
-    // Each value's two high bits moved to bits 4-5 of its byte: bits 2 j of qh for quarter j, from
-    // [qh, qh >> 2] (16-bit shifts: the 0x30 mask drops what crosses in from the next byte).
-    const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-    const __m512i high_a = _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45);  // quarters 0, 1
-    // (a & b) | c in one instruction: 0xEA is the truth table of A & B | C.
-    out[2 * half] = _mm512_ternarylogic_epi32(ql, low4, high_a, 0xEA);
-    out[2 * half + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), low4, _mm512_and_si512(qh2, bits45), 0xEA);
-  }
-}
-
-// y[m, n] = sum_k x[m, k] * w[n, k] for output rows [begin, end), with bf16 dot products.
-//
-// A code c becomes the bf16 number 128 + c by pairing its byte with 0x43 (bf16 0x43cc is 128 + cc,
-// exact), so w = d s (c - 32) = d s ((128 + c) - 160): each sub-block's dot is taken with 128 + c and
-// 160 times the sub-block's sum of x (`xsum`, computed once per call) is taken off. The byte unpacking
-// interleaves within 128-bit lanes; `x` comes permuted to match (see `ggml.py`), and float lane i of a
-// 64-value dot belongs to sub-block i / 4. M is a template parameter so the accumulators stay in registers.
-template <int M>
-void q6k_rows(const uint16_t* x, const float* xsum, const uint8_t* blocks, float* y, int64_t k, int64_t n,
-              int64_t begin, int64_t end) {
-  const int64_t per_row = k / kBlockValues;
-  const __m512i tag = _mm512_set1_epi8(0x43);
-  __m512i lane_sub[4];  // float lane i of the 64 values at 64 g -> the block's sub-block 4 g + i / 4
-  for (int g = 0; g < 4; ++g) {
-    alignas(64) int32_t idx[16];
-    for (int i = 0; i < 16; ++i) idx[i] = 4 * g + i / 4;
-    lane_sub[g] = _mm512_load_si512(idx);
-  }
-  for (int64_t row = begin; row < end; ++row) {
-    __m512 acc[M], offset[M];
-    for (int m = 0; m < M; ++m) acc[m] = offset[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < per_row; ++b) {
-      const uint8_t* block = blocks + (row * per_row + b) * kQ6KBytes;
-      __m512i codes[4];
-      decode_q6k(block, codes);
-      uint16_t d_bits;
-      std::memcpy(&d_bits, block + 208, 2);
-      const __m128i sub_scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
-      const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub_scales)),
-                                          _mm512_set1_ps(_cvtsh_ss(d_bits)));
-      for (int m = 0; m < M; ++m)
-        offset[m] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(xsum + m * (k / 16) + b * 16), offset[m]);
-      for (int g = 0; g < 4; ++g) {
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi8(codes[g], tag);
-        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi8(codes[g], tag);
-        const __m512 s = _mm512_permutexvar_ps(lane_sub[g], scales);
-        for (int m = 0; m < M; ++m) {
-          const uint16_t* xg = x + m * k + b * kBlockValues + 64 * g;
-          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(xg));
-          dot = _mm512_dpbf16_ps(dot, hi, (__m512bh)_mm512_loadu_si512(xg + 32));
-          acc[m] = _mm512_fmadd_ps(s, dot, acc[m]);
-        }
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * n + row] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[m], offset[m]));
-  }
-}
-
-template <int M>
-void q6k_dispatch(const uint16_t* x, const float* xsum, const uint8_t* blocks, float* y, int64_t k, int64_t n) {
-  // ~16 rows of a 1536-wide weight per task: small enough to balance, big enough to amortise.
-  const int64_t grain = std::max<int64_t>(1, 16 * 1536 / k);
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    q6k_rows<M>(x, xsum, blocks, y, k, n, begin, end);
-  });
-}
-#endif  // __AVX512BF16__
 
 #if defined(SPECVERIFY_Q4K)
 // ---------------------------------------------------------------------------------------------- Q4_K
@@ -327,13 +250,15 @@ void q4k_tile_rows(int rows, const uint8_t* tile, int64_t per_row, const int8_t*
     default: q4k_tile<kPassRows>(tile, per_row, xq, xs, xm, k, y, n, row0); break;
   }
 }
-// ------------------------------------------------------------------------------------ Q6_K, int8 x
+// ------------------------------------------------------------------------------ Q6_K, int8 x, AVX2
 //
-// For CPUs without AVX512-BF16: the codes c (0..63) of 32 values at a time against x quantized to int8
-// per 32 values (as for Q4_K), so w = d s (c - 32) gives, per 16-value sub-block,
+// The codes c (0..63) against x quantized to int8 per 32 values (as for Q4_K), so w = d s (c - 32)
+// gives, per 16-value sub-block,
 //   dx d s (sum(c xq) - 32 sum(xq));
 // the second term (`xoff`: 32 dx sum(xq) per 16 values, computed once per call) is taken off per block
-// with the 16 sub-block scales. One output row at a time, as the bf16 kernel.
+// with the 16 sub-block scales. The blocks as stored, one output row at a time, the rows of x four at a
+// time against it. (AVX-512 VNNI has a tiled layout of its own, below.)
+#if SPECVERIFY_Q4K == 256
 template <int M>
 void q6k_int8_rows(const int8_t* xq, const float* xs, const float* xoff, const uint8_t* blocks, float* y,
                    int64_t k, int64_t n, int64_t begin, int64_t end) {
@@ -389,41 +314,117 @@ void q6k_int8_rows(const int8_t* xq, const float* xs, const float* xoff, const u
     for (int m = 0; m < M; ++m) y[m * n + row] = avx2::hsum8(_mm256_sub_ps(acc[m], off[m]));
   }
 }
+
+void q6k_int8_pass(int rows, const int8_t* xq, const float* xs, const float* xoff, const uint8_t* blocks,
+                   float* y, int64_t k, int64_t n, int64_t begin, int64_t end) {
+  switch (rows) {
+    case 1: q6k_int8_rows<1>(xq, xs, xoff, blocks, y, k, n, begin, end); break;
+    case 2: q6k_int8_rows<2>(xq, xs, xoff, blocks, y, k, n, begin, end); break;
+    case 3: q6k_int8_rows<3>(xq, xs, xoff, blocks, y, k, n, begin, end); break;
+    default: q6k_int8_rows<4>(xq, xs, xoff, blocks, y, k, n, begin, end); break;
+  }
+}
+#endif  // SPECVERIFY_Q4K == 256
+
+#if SPECVERIFY_Q4K == 512
+// ------------------------------------------------------------------------ Q6_K, int8 x, 16-row tiles
+//
+// The blocks as stored put 4 sub-blocks in each 64-byte vector, so each lane of a dot product needs its
+// own sub-block and activation scales in float: 6 instructions per 64 weights and row of x, bound by
+// arithmetic from 2 rows on (a row-major VNNI kernel ran the LM head at 15.0 ms for 6 rows, this one
+// 7.7, dense bf16 13.8; 5.6 / 5.8 ms at 1 row). As for Q4_K, the codes are re-laid once at load (`q6k_pack`,
+// the same bits, the same 0.83 bytes a weight): 16 output rows share a vector, 4 consecutive values of
+// each, so the int32 lanes are output rows, the activations are broadcast, and a sub-block's integer
+// dot (4 dot products) is scaled once for all 16 rows.
+//
+// A record per (tile of 16 rows, block of 256 values): d fp16 [16], 32 bytes free, the sub-block scales
+// int8 [16 sub-blocks][16 rows], then per 32-value group i: 4 code vectors [16 rows][4 bytes] (low
+// nibble: value 32 i + 4 v + j, sub-block 2 i; high nibble: value 32 i + 16 + 4 v + j, sub-block 2 i + 1)
+// and 2 vectors of their top bits: byte (row, j) of vector a holds, 2 bits each from bit 0, those of
+// vector 2 a's low nibble's value, vector 2 a + 1's, then vector 2 a's high nibble's, 2 a + 1's.
+constexpr int kQ6KScOffset = 64, kQ6KGroupOffset = 320, kQ6KGroupBytes = 384;
+constexpr int kQ6KPackedBytes = kQ6KGroupOffset + 8 * kQ6KGroupBytes;  // 3392: 53 cache lines
+
+// Value v (0..255) of a Q6_K block's 6-bit codes, as gguf-py reads them: value 128 h + 32 j + l takes
+// nibble (j >= 2) of ql[64 h + 32 (j & 1) + l] and bits 2 j of qh[32 h + l].
+inline int q6k_code(const uint8_t* block, int v) {
+  const int h = v / 128, j = (v % 128) / 32, l = v % 32;
+  const int ql = block[64 * h + 32 * (j & 1) + l];
+  const int nibble = j >= 2 ? ql >> 4 : ql & 0x0F;
+  return nibble | (((block[128 + 32 * h + l] >> (2 * j)) & 3) << 4);
+}
+
+// Rows [0, M) of y (row stride n) for one tile of 16 output rows starting at row0.
+template <int M>
+void q6k_tile(const uint8_t* tile, int64_t per_row, const int8_t* xq, const float* xs, const float* xoff,
+              int64_t k, float* y, int64_t n, int64_t row0) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < per_row; ++b) {
+    const uint8_t* rec = tile + b * kQ6KPackedBytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+    for (int i = 0; i < 8; ++i) {
+      // Two records ahead, 7 of its 53 cache lines per group (the last group takes the 53rd's place).
+      for (int line = 0; line < 7 && 7 * i + line < 53; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * kQ6KPackedBytes + 64 * (7 * i + line)), _MM_HINT_T0);
+      const uint8_t* group = rec + kQ6KGroupOffset + kQ6KGroupBytes * i;
+      __m512i dot_a[M], dot_b[M];  // sub-blocks 2 i and 2 i + 1
+      for (int m = 0; m < M; ++m) dot_a[m] = dot_b[m] = _mm512_setzero_si512();
+      const int64_t at = b * kBlockValues + 32 * i;
+      for (int v = 0; v < 4; ++v) {
+        const __m512i w = _mm512_loadu_si512(group + 64 * v);
+        const __m512i top = _mm512_loadu_si512(group + 256 + 64 * (v / 2));
+        // (a & b) | c in one instruction (0xEA); 16-bit shifts, the masks drop what crosses bytes.
+        const __m512i lo = _mm512_ternarylogic_epi32(
+            w, low4, _mm512_and_si512(_mm512_sll_epi16(top, _mm_cvtsi32_si128(4 - 2 * (v & 1))), bits45), 0xEA);
+        const __m512i hi = _mm512_ternarylogic_epi32(
+            _mm512_srli_epi16(w, 4), low4, _mm512_and_si512(_mm512_srl_epi16(top, _mm_cvtsi32_si128(2 * (v & 1))), bits45), 0xEA);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xp = xq + m * k + at + 4 * v;
+          int32_t a, c;
+          std::memcpy(&a, xp, 4);
+          std::memcpy(&c, xp + 16, 4);
+          dot_a[m] = _mm512_dpbusd_epi32(dot_a[m], lo, _mm512_set1_epi32(a));
+          dot_b[m] = _mm512_dpbusd_epi32(dot_b[m], hi, _mm512_set1_epi32(c));
+        }
+      }
+      const __m512 sc_a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kQ6KScOffset + 32 * i)))));
+      const __m512 sc_b = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kQ6KScOffset + 32 * i + 16)))));
+      const int64_t sub = at / 16;  // sub-block 2 i of row m of x: xoff[m * k / 16 + sub]
+      for (int m = 0; m < M; ++m) {
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot_a[m]), sc_a);
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_b[m]), sc_b, t);
+        acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[m * (k / 32) + at / 32]), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(sc_a, _mm512_set1_ps(xoff[m * (k / 16) + sub]), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(sc_b, _mm512_set1_ps(xoff[m * (k / 16) + sub + 1]), acc[m]);
+      }
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kTileRows, n - row0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * n + row0, mask, acc[m]);
+}
+
+void q6k_tile_rows(int rows, const uint8_t* tile, int64_t per_row, const int8_t* xq, const float* xs,
+                   const float* xoff, int64_t k, float* y, int64_t n, int64_t row0) {
+  switch (rows) {
+    case 1: q6k_tile<1>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+    case 2: q6k_tile<2>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+    case 3: q6k_tile<3>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+    case 4: q6k_tile<4>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+    case 5: q6k_tile<5>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+    case 6: q6k_tile<6>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+    case 7: q6k_tile<7>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+    default: q6k_tile<8>(tile, per_row, xq, xs, xoff, k, y, n, row0); break;
+  }
+}
+#endif  // SPECVERIFY_Q4K == 512
 #endif  // SPECVERIFY_Q4K
 
 }  // namespace
-
-torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor xsum, torch::Tensor blocks, int64_t n) {
-#if defined(__AVX512BF16__)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
-              "x must be a contiguous bf16 [M, K] tensor");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlockValues == 0, "K must be a multiple of 256, got ", k);
-  TORCH_CHECK(xsum.scalar_type() == torch::kFloat32 && xsum.is_contiguous() && xsum.numel() == m * k / 16,
-              "xsum must be a contiguous float32 [M, K / 16] tensor");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(), "blocks must be contiguous uint8");
-  TORCH_CHECK(blocks.numel() == n * (k / kBlockValues) * kQ6KBytes, "blocks do not hold ", n, " rows of ", k);
-  TORCH_CHECK(m >= 1 && m <= 8, "q6k_matmul takes 1 to 8 rows, got ", m);
-  auto y = torch::empty({m, n}, xsum.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const float* sp = xsum.data_ptr<float>();
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  switch (m) {
-    case 1: q6k_dispatch<1>(xp, sp, bp, yp, k, n); break;
-    case 2: q6k_dispatch<2>(xp, sp, bp, yp, k, n); break;
-    case 3: q6k_dispatch<3>(xp, sp, bp, yp, k, n); break;
-    case 4: q6k_dispatch<4>(xp, sp, bp, yp, k, n); break;
-    case 5: q6k_dispatch<5>(xp, sp, bp, yp, k, n); break;
-    case 6: q6k_dispatch<6>(xp, sp, bp, yp, k, n); break;
-    case 7: q6k_dispatch<7>(xp, sp, bp, yp, k, n); break;
-    default: q6k_dispatch<8>(xp, sp, bp, yp, k, n); break;
-  }
-  return y;
-#else
-  TORCH_CHECK(false, "this build has no Q6_K kernel (the compiler did not target AVX512-BF16)");
-#endif
-}
 
 #if defined(SPECVERIFY_Q4K)
 torch::Tensor q4k_pack(torch::Tensor blocks, int64_t n, int64_t k) {
@@ -478,6 +479,17 @@ void quantize_any(const torch::Tensor& x, int64_t group, int8_t* xq, float* xs, 
     quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m, k, group, xq, xs, xm);
   }
 }
+
+// Q6_K's -32 bias per 16 values of x: 32 dx sum(xq) (x in int8 per 32 values, scale dx).
+std::vector<float> q6k_offsets(const std::vector<int8_t>& xq, const std::vector<float>& xs) {
+  std::vector<float> xoff(xq.size() / 16);
+  for (size_t i = 0; i < xoff.size(); ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += xq[16 * i + j];
+    xoff[i] = 32.f * xs[i / 2] * static_cast<float>(sum);
+  }
+  return xoff;
+}
 }  // namespace
 
 std::vector<torch::Tensor> q4k_quantize(torch::Tensor x, int64_t group) {
@@ -517,7 +529,8 @@ torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64
   });
   return y;
 }
-// x [M, K] (bf16 / float32) @ Q6_K blocks [N rows of K]^T -> [M, N] float32, with x in int8 (no AVX512-BF16).
+#if SPECVERIFY_Q4K == 256
+// x [M, K] (bf16 / float32) @ Q6_K blocks [N rows of K]^T -> [M, N] float32, with x in int8 (AVX2).
 torch::Tensor q6k_int8_matmul(torch::Tensor x, torch::Tensor blocks, int64_t n) {
   check_q4k_activations(x, 32);
   const int64_t m = x.size(0), k = x.size(1);
@@ -525,42 +538,90 @@ torch::Tensor q6k_int8_matmul(torch::Tensor x, torch::Tensor blocks, int64_t n) 
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(), "blocks must be contiguous uint8");
   TORCH_CHECK(n >= 1 && blocks.numel() == n * (k / kBlockValues) * kQ6KBytes, "blocks do not hold ", n, " rows of ", k);
   std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * k / 32), xm(m * k / 32), xoff(m * k / 16);
+  std::vector<float> xs(m * k / 32), xm(m * k / 32);
   quantize_any(x, 32, xq.data(), xs.data(), xm.data());
-  for (int64_t i = 0; i < m * k / 16; ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < 16; ++j) sum += xq[16 * i + j];
-    xoff[i] = 32.f * xs[i / 2] * static_cast<float>(sum);
-  }
+  const std::vector<float> xoff = q6k_offsets(xq, xs);
   auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 16 * 1536 / k);
-  // Rows of x four at a time within each task's output rows, whose weights stay in cache meanwhile.
+  // Rows of x a pass at a time within each task's output rows, whose weights stay in cache meanwhile.
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += 4) {
-      const int8_t* q = xq.data() + m0 * k;
-      const float *s = xs.data() + m0 * (k / 32), *o = xoff.data() + m0 * (k / 16);
-      float* out = yp + m0 * n;
-      switch (std::min<int64_t>(4, m - m0)) {
-        case 1: q6k_int8_rows<1>(q, s, o, bp, out, k, n, begin, end); break;
-        case 2: q6k_int8_rows<2>(q, s, o, bp, out, k, n, begin, end); break;
-        case 3: q6k_int8_rows<3>(q, s, o, bp, out, k, n, begin, end); break;
-        default: q6k_int8_rows<4>(q, s, o, bp, out, k, n, begin, end); break;
+      q6k_int8_pass(static_cast<int>(std::min<int64_t>(4, m - m0)), xq.data() + m0 * k,
+                    xs.data() + m0 * (k / 32), xoff.data() + m0 * (k / 16), bp, yp + m0 * n, k, n, begin, end);
+    }
+  });
+  return y;
+}
+#endif  // SPECVERIFY_Q4K == 256
+
+#if SPECVERIFY_Q4K == 512
+// Q6_K blocks [N rows of K] -> the tiled kernel's records, N padded to 16 rows with zeros (d = 0).
+torch::Tensor q6k_pack(torch::Tensor blocks, int64_t n, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(), "blocks must be contiguous uint8");
+  TORCH_CHECK(n >= 1 && k >= kBlockValues && k % kBlockValues == 0, "K must be a positive multiple of 256, got ", k);
+  const int64_t per_row = k / kBlockValues, tiles = (n + kTileRows - 1) / kTileRows;
+  TORCH_CHECK(blocks.numel() == n * per_row * kQ6KBytes, "blocks do not hold ", n, " rows of ", k, " Q6_K values");
+  auto out = torch::zeros({tiles * per_row * kQ6KPackedBytes}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < n; ++r) {
+        for (int64_t b = 0; b < per_row; ++b) {
+          const uint8_t* block = src + ((t * kTileRows + r) * per_row + b) * kQ6KBytes;
+          uint8_t* rec = dst + (t * per_row + b) * kQ6KPackedBytes;
+          std::memcpy(rec + 2 * r, block + 208, 2);
+          for (int sub = 0; sub < 16; ++sub) rec[kQ6KScOffset + 16 * sub + r] = block[192 + sub];
+          for (int i = 0; i < 8; ++i) {
+            uint8_t* group = rec + kQ6KGroupOffset + kQ6KGroupBytes * i;
+            for (int v = 0; v < 4; ++v) {
+              for (int j = 0; j < 4; ++j) {
+                const int lo = q6k_code(block, 32 * i + 4 * v + j), hi = q6k_code(block, 32 * i + 16 + 4 * v + j);
+                group[64 * v + 4 * r + j] = static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
+                group[256 + 64 * (v / 2) + 4 * r + j] |=
+                    static_cast<uint8_t>(((lo >> 4) << (2 * (v & 1))) | ((hi >> 4) << (4 + 2 * (v & 1))));
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x [M, K] (bf16 / float32) @ q6k_pack's records [n rows of K]^T -> [M, n] float32, with x in int8.
+torch::Tensor q6k_tiled_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  check_q4k_activations(x, 32);
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(m >= 1, "x has no rows");
+  const int64_t per_row = k / kBlockValues, tiles = (n + kTileRows - 1) / kTileRows;
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
+  TORCH_CHECK(n >= 1 && packed.numel() == tiles * per_row * kQ6KPackedBytes, "packed does not hold ", n,
+              " rows of ", k, " (q6k_pack's layout)");
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xs(m * k / 32), xm(m * k / 32);
+  quantize_any(x, 32, xq.data(), xs.data(), xm.data());
+  const std::vector<float> xoff = q6k_offsets(xq, xs);
+  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 16 * 1536 / k);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = wp + t * per_row * kQ6KPackedBytes;
+      for (int64_t m0 = 0; m0 < m; m0 += 8) {
+        q6k_tile_rows(static_cast<int>(std::min<int64_t>(8, m - m0)), tile, per_row, xq.data() + m0 * k,
+                      xs.data() + m0 * (k / 32), xoff.data() + m0 * (k / 16), k, yp + m0 * n, n, t * kTileRows);
       }
     }
   });
   return y;
 }
+#endif  // SPECVERIFY_Q4K == 512
 #endif  // SPECVERIFY_Q4K
-
-bool has_q6k() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 bool has_q4k() {
 #if defined(SPECVERIFY_Q4K)
@@ -571,13 +632,16 @@ bool has_q4k() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_q6k", &has_q6k, "whether this build has the Q6_K kernel (AVX512-BF16)");
   m.def("has_q4k", &has_q4k, "whether this build has the Q4_K kernel (AVX512-VNNI)");
-  m.def("q6k_matmul", &q6k_matmul, "x [M, K] bf16 (permuted) @ Q6_K blocks [N rows of K]^T -> [M, N] float32");
 #if defined(SPECVERIFY_Q4K)
   m.def("q4k_pack", &q4k_pack, "Q4_K blocks [N rows of K] -> the Q4_K kernel's layout (16-row tiles)");
   m.def("q4k_quantize", &q4k_quantize, "x [M, K] -> int8 codes, per-32 scale, per-32 scale * code sum");
-  m.def("q6k_int8_matmul", &q6k_int8_matmul, "x [M, K] bf16 / float32 @ Q6_K blocks [N rows of K]^T, x in int8");
   m.def("q4k_matmul", &q4k_matmul, "x [M, K] bf16 / float32 @ packed Q4_K [N rows of K]^T -> [M, N] float32");
+#if SPECVERIFY_Q4K == 256
+  m.def("q6k_int8_matmul", &q6k_int8_matmul, "x [M, K] bf16 / float32 @ Q6_K blocks [N rows of K]^T, x in int8");
+#else
+  m.def("q6k_pack", &q6k_pack, "Q6_K blocks [N rows of K] -> the tiled Q6_K kernel's layout (16-row tiles)");
+  m.def("q6k_tiled_matmul", &q6k_tiled_matmul, "x [M, K] bf16 / float32 @ packed Q6_K [N rows of K]^T, x in int8");
+#endif
 #endif
 }

@@ -354,8 +354,8 @@ class LlamaModel(nn.Module):
     ) -> int:
         """Give each matmul weight whose every part (`layers.{i}.q`, ... as `from_weights` names them) has
         its checkpoint's own quantized codes in `codes` a copy built from those codes, used by forwards
-        over at most `max_rows` rows (Q6_K: at most `Q6K_ROWS`; Q4_K blocks: `Q4K_ROWS`, the Q4_K
-        kernel's own measured limit). Q4_K blocks (`Q4KBlocks`, where `q4k.py`'s kernel runs) go to that
+        over at most `max_rows` rows (Q6_K blocks: `q6k_row_limit()`; Q4_K blocks: `Q4K_ROWS`: the
+        kernels' own measured limits). Q4_K blocks (`Q4KBlocks`, where `q4k.py`'s kernel runs) go to that
         kernel as stored; Q4_K codes (`Int4Groups`, 32-value groups) become an int4 copy
         (`QuantizedWeight`), not a re-quantization: only each group's scale and offset are rounded, to
         bf16, where a bf16 dense path rounds each weight to bf16 (a float32 model also hands the kernel
@@ -371,7 +371,7 @@ class LlamaModel(nn.Module):
             if len(parts) == 1 and isinstance(parts[0], Q6KBlocks):
                 usable = kernels is not None and tuple(parts[0].shape) == tuple(weight.shape)
                 return (
-                    Q6KWeight(parts[0], weight.detach(), q6k_row_limit(kernels, max_rows), kernels)
+                    Q6KWeight(parts[0], weight.detach(), q6k_row_limit(), kernels)
                     if usable
                     else None
                 )
@@ -403,7 +403,7 @@ class LlamaModel(nn.Module):
                 else:
                     groups.append([p])
             runs: list[Q4KWeight | Q6KWeight] = [
-                Q6KWeight(g[0], none, q6k_row_limit(kernels, max_rows), kernels)
+                Q6KWeight(g[0], none, q6k_row_limit(), kernels)
                 if isinstance(g[0], Q6KBlocks)
                 else Q4KWeight(Q4KBlocks.cat(g), none, Q4K_ROWS, q4k_module)  # type: ignore[arg-type]
                 for g in groups
