@@ -370,11 +370,7 @@ class LlamaModel(nn.Module):
         ) -> QuantizedWeight | Q6KWeight | Q4KWeight | SplitWeight | None:
             if len(parts) == 1 and isinstance(parts[0], Q6KBlocks):
                 usable = kernels is not None and tuple(parts[0].shape) == tuple(weight.shape)
-                return (
-                    Q6KWeight(parts[0], weight.detach(), q6k_row_limit(), kernels)
-                    if usable
-                    else None
-                )
+                return Q6KWeight(parts[0], weight.detach(), q6k_row_limit(), kernels) if usable else None
             if all(isinstance(p, Q4KBlocks) for p in parts):
                 module = q4k_kernels()
                 cat = Q4KBlocks.cat(parts)  # type: ignore[arg-type]
