@@ -148,16 +148,13 @@ def q6k_reading_of_x(module: ModuleType, x: torch.Tensor) -> torch.Tensor:
 def q6k_layout(module: ModuleType, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The Q6_K blocks of a weight [n, k] as `module`'s kernel reads them: 16-row tiles (AVX512-VNNI)
     or as stored (AVX2)."""
-    blocks = blocks.contiguous().view(-1)
-    return module.q6k_pack(blocks, n, k) if hasattr(module, "q6k_pack") else blocks
+    return module.q6k_pack(blocks.contiguous().view(-1), n, k)
 
 
 def q6k_matmul(module: ModuleType, x: torch.Tensor, codes: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] @ the Q6_K weight [n, K]^T (`codes` from `q6k_layout`) -> float32 [M, n]."""
-    xi = (x if x.dtype in (torch.bfloat16, torch.float32) else x.float()).contiguous()
-    if hasattr(module, "q6k_pack"):
-        return module.q6k_tiled_matmul(xi, codes, n)
-    return module.q6k_int8_matmul(xi, codes, n)
+    xi = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
+    return module.q6k_matmul(xi.contiguous(), codes, n)
 
 
 class Q6KWeight:

@@ -427,38 +427,51 @@ void q6k_tile_rows(int rows, const uint8_t* tile, int64_t per_row, const int8_t*
 }  // namespace
 
 #if defined(SPECVERIFY_Q4K)
-torch::Tensor q4k_pack(torch::Tensor blocks, int64_t n, int64_t k) {
+namespace {
+void check_blocks(const torch::Tensor& blocks, int64_t n, int64_t k, int64_t block_bytes, const char* type) {
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(), "blocks must be contiguous uint8");
   TORCH_CHECK(n >= 1 && k >= kBlockValues && k % kBlockValues == 0, "K must be a positive multiple of 256, got ", k);
+  TORCH_CHECK(blocks.numel() == n * (k / kBlockValues) * block_bytes, "blocks do not hold ", n, " rows of ", k, " ",
+              type, " values");
+}
+
+// Row-major blocks [n][K / 256][block_bytes] -> records [tiles of 16 rows][K / 256][record_bytes], once at
+// load: fill(block, record, r) writes row r's share of one record. Rows past n in the last tile stay zero
+// (scales 0: they add nothing and are never stored).
+template <typename Fill>
+torch::Tensor pack_tiles(const torch::Tensor& blocks, int64_t n, int64_t k, int64_t block_bytes,
+                         int64_t record_bytes, const char* type, Fill fill) {
+  check_blocks(blocks, n, k, block_bytes, type);
   const int64_t per_row = k / kBlockValues, tiles = (n + kTileRows - 1) / kTileRows;
-  TORCH_CHECK(blocks.numel() == n * per_row * kQ4KBytes, "blocks do not hold ", n, " rows of ", k, " Q4_K values");
-  // Rows past n in the last tile stay zero (d = dmin = 0): they add nothing and are never stored.
-  auto out = torch::zeros({tiles * per_row * kQ4KPackedBytes}, blocks.options());
+  auto out = torch::zeros({tiles * per_row * record_bytes}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < n; ++r) {
-        for (int64_t b = 0; b < per_row; ++b) {
-          const uint8_t* block = src + ((t * kTileRows + r) * per_row + b) * kQ4KBytes;
-          uint8_t* rec = dst + (t * per_row + b) * kQ4KPackedBytes;
-          std::memcpy(rec + kDOffset + 2 * r, block, 2);
-          std::memcpy(rec + kDminOffset + 2 * r, block + 2, 2);
-          for (int i = 0; i < 8; ++i) {
-            q4k_scale_min(block + 4, i, rec + kScOffset + 16 * i + r, rec + kMinOffset + 16 * i + r);
-            for (int v = 0; v < 4; ++v) {
-              for (int j = 0; j < 4; ++j) {
-                const int lo = q4k_code(block + 16, 32 * i + 4 * v + j);
-                const int hi = q4k_code(block + 16, 32 * i + 16 + 4 * v + j);
-                rec[256 * i + 64 * v + 4 * r + j] = static_cast<uint8_t>(lo | (hi << 4));
-              }
-            }
-          }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < n; ++r)
+        for (int64_t b = 0; b < per_row; ++b)
+          fill(src + ((t * kTileRows + r) * per_row + b) * block_bytes, dst + (t * per_row + b) * record_bytes,
+               static_cast<int>(r));
+  });
+  return out;
+}
+}  // namespace
+
+torch::Tensor q4k_pack(torch::Tensor blocks, int64_t n, int64_t k) {
+  return pack_tiles(blocks, n, k, kQ4KBytes, kQ4KPackedBytes, "Q4_K", [](const uint8_t* block, uint8_t* rec, int r) {
+    std::memcpy(rec + kDOffset + 2 * r, block, 2);
+    std::memcpy(rec + kDminOffset + 2 * r, block + 2, 2);
+    for (int i = 0; i < 8; ++i) {
+      q4k_scale_min(block + 4, i, rec + kScOffset + 16 * i + r, rec + kMinOffset + 16 * i + r);
+      for (int v = 0; v < 4; ++v) {
+        for (int j = 0; j < 4; ++j) {
+          const int lo = q4k_code(block + 16, 32 * i + 4 * v + j);
+          const int hi = q4k_code(block + 16, 32 * i + 16 + 4 * v + j);
+          rec[256 * i + 64 * v + 4 * r + j] = static_cast<uint8_t>(lo | (hi << 4));
         }
       }
     }
   });
-  return out;
 }
 
 namespace {
@@ -490,6 +503,41 @@ std::vector<float> q6k_offsets(const std::vector<int8_t>& xq, const std::vector<
   }
   return xoff;
 }
+
+// x [m, K] @ tiled records [n rows of K]^T -> y [m, n] float32, x in int8 per `group` values (and, for
+// Q6_K, its per-16 offsets). Each task's tiles are read once and serve every row of x, `pass_rows` at a
+// time: pass(rows, tile, per_row, xq, xs, xm, xoff, k, y, n, row0) for the rows from m0 on.
+template <typename Pass>
+torch::Tensor tiled_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t group,
+                           int64_t record_bytes, const char* layout, bool offsets, int pass_rows, Pass pass) {
+  check_q4k_activations(x, group);
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(m >= 1, "x has no rows");
+  const int64_t per_row = k / kBlockValues, tiles = (n + kTileRows - 1) / kTileRows;
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
+  TORCH_CHECK(n >= 1 && packed.numel() == tiles * per_row * record_bytes, "packed does not hold ", n, " rows of ", k,
+              " (", layout, "'s layout)");
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xs(m * k / 32), xm(m * k / 32);
+  quantize_any(x, group, xq.data(), xs.data(), xm.data());
+  const std::vector<float> xoff = offsets ? q6k_offsets(xq, xs) : std::vector<float>();
+  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // ~16 tiles of a 1536-wide weight per task.
+  const int64_t grain = std::max<int64_t>(1, 16 * 1536 / k);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = wp + t * per_row * record_bytes;
+      for (int64_t m0 = 0; m0 < m; m0 += pass_rows) {
+        pass(static_cast<int>(std::min<int64_t>(pass_rows, m - m0)), tile, per_row, xq.data() + m0 * k,
+             xs.data() + m0 * (k / 32), xm.data() + m0 * (k / 32), offsets ? xoff.data() + m0 * (k / 16) : nullptr,
+             k, yp + m0 * n, n, t * kTileRows);
+      }
+    }
+  });
+  return y;
+}
 }  // namespace
 
 std::vector<torch::Tensor> q4k_quantize(torch::Tensor x, int64_t group) {
@@ -503,35 +551,21 @@ std::vector<torch::Tensor> q4k_quantize(torch::Tensor x, int64_t group) {
 }
 
 torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t group) {
-  check_q4k_activations(x, group);
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(m >= 1, "x has no rows");
-  const int64_t per_row = k / kBlockValues, tiles = (n + kTileRows - 1) / kTileRows;
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
-  TORCH_CHECK(n >= 1 && packed.numel() == tiles * per_row * kQ4KPackedBytes, "packed does not hold ", n,
-              " rows of ", k, " (q4k_pack's layout)");
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * k / 32), xm(m * k / 32);
-  quantize_any(x, group, xq.data(), xs.data(), xm.data());
-  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  // ~16 tiles of a 1536-wide weight per task; each tile's weights are read once and serve every row of x.
-  const int64_t grain = std::max<int64_t>(1, 16 * 1536 / k);
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = wp + t * per_row * kQ4KPackedBytes;
-      for (int64_t m0 = 0; m0 < m; m0 += kPassRows) {
-        q4k_tile_rows(static_cast<int>(std::min<int64_t>(kPassRows, m - m0)), tile, per_row, xq.data() + m0 * k,
-                      xs.data() + m0 * (k / 32), xm.data() + m0 * (k / 32), k, yp + m0 * n, n, t * kTileRows);
-      }
-    }
-  });
-  return y;
+  return tiled_matmul(x, packed, n, group, kQ4KPackedBytes, "q4k_pack", false, kPassRows,
+                      [](int rows, const uint8_t* tile, int64_t per_row, const int8_t* xq, const float* xs,
+                         const float* xm, const float*, int64_t k, float* y, int64_t n, int64_t row0) {
+                        q4k_tile_rows(rows, tile, per_row, xq, xs, xm, k, y, n, row0);
+                      });
 }
 #if SPECVERIFY_Q4K == 256
+// AVX2 reads the Q6_K blocks as stored: checked, not copied.
+torch::Tensor q6k_pack(torch::Tensor blocks, int64_t n, int64_t k) {
+  check_blocks(blocks, n, k, kQ6KBytes, "Q6_K");
+  return blocks;
+}
+
 // x [M, K] (bf16 / float32) @ Q6_K blocks [N rows of K]^T -> [M, N] float32, with x in int8 (AVX2).
-torch::Tensor q6k_int8_matmul(torch::Tensor x, torch::Tensor blocks, int64_t n) {
+torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor blocks, int64_t n) {
   check_q4k_activations(x, 32);
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(m >= 1, "x has no rows");
@@ -559,66 +593,30 @@ torch::Tensor q6k_int8_matmul(torch::Tensor x, torch::Tensor blocks, int64_t n) 
 #if SPECVERIFY_Q4K == 512
 // Q6_K blocks [N rows of K] -> the tiled kernel's records, N padded to 16 rows with zeros (d = 0).
 torch::Tensor q6k_pack(torch::Tensor blocks, int64_t n, int64_t k) {
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous(), "blocks must be contiguous uint8");
-  TORCH_CHECK(n >= 1 && k >= kBlockValues && k % kBlockValues == 0, "K must be a positive multiple of 256, got ", k);
-  const int64_t per_row = k / kBlockValues, tiles = (n + kTileRows - 1) / kTileRows;
-  TORCH_CHECK(blocks.numel() == n * per_row * kQ6KBytes, "blocks do not hold ", n, " rows of ", k, " Q6_K values");
-  auto out = torch::zeros({tiles * per_row * kQ6KPackedBytes}, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r = 0; r < kTileRows && t * kTileRows + r < n; ++r) {
-        for (int64_t b = 0; b < per_row; ++b) {
-          const uint8_t* block = src + ((t * kTileRows + r) * per_row + b) * kQ6KBytes;
-          uint8_t* rec = dst + (t * per_row + b) * kQ6KPackedBytes;
-          std::memcpy(rec + 2 * r, block + 208, 2);
-          for (int sub = 0; sub < 16; ++sub) rec[kQ6KScOffset + 16 * sub + r] = block[192 + sub];
-          for (int i = 0; i < 8; ++i) {
-            uint8_t* group = rec + kQ6KGroupOffset + kQ6KGroupBytes * i;
-            for (int v = 0; v < 4; ++v) {
-              for (int j = 0; j < 4; ++j) {
-                const int lo = q6k_code(block, 32 * i + 4 * v + j), hi = q6k_code(block, 32 * i + 16 + 4 * v + j);
-                group[64 * v + 4 * r + j] = static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
-                group[256 + 64 * (v / 2) + 4 * r + j] |=
-                    static_cast<uint8_t>(((lo >> 4) << (2 * (v & 1))) | ((hi >> 4) << (4 + 2 * (v & 1))));
-              }
-            }
-          }
+  return pack_tiles(blocks, n, k, kQ6KBytes, kQ6KPackedBytes, "Q6_K", [](const uint8_t* block, uint8_t* rec, int r) {
+    std::memcpy(rec + 2 * r, block + 208, 2);
+    for (int sub = 0; sub < 16; ++sub) rec[kQ6KScOffset + 16 * sub + r] = block[192 + sub];
+    for (int i = 0; i < 8; ++i) {
+      uint8_t* group = rec + kQ6KGroupOffset + kQ6KGroupBytes * i;
+      for (int v = 0; v < 4; ++v) {
+        for (int j = 0; j < 4; ++j) {
+          const int lo = q6k_code(block, 32 * i + 4 * v + j), hi = q6k_code(block, 32 * i + 16 + 4 * v + j);
+          group[64 * v + 4 * r + j] = static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
+          group[256 + 64 * (v / 2) + 4 * r + j] |=
+              static_cast<uint8_t>(((lo >> 4) << (2 * (v & 1))) | ((hi >> 4) << (4 + 2 * (v & 1))));
         }
       }
     }
   });
-  return out;
 }
 
 // x [M, K] (bf16 / float32) @ q6k_pack's records [n rows of K]^T -> [M, n] float32, with x in int8.
-torch::Tensor q6k_tiled_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  check_q4k_activations(x, 32);
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(m >= 1, "x has no rows");
-  const int64_t per_row = k / kBlockValues, tiles = (n + kTileRows - 1) / kTileRows;
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
-  TORCH_CHECK(n >= 1 && packed.numel() == tiles * per_row * kQ6KPackedBytes, "packed does not hold ", n,
-              " rows of ", k, " (q6k_pack's layout)");
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * k / 32), xm(m * k / 32);
-  quantize_any(x, 32, xq.data(), xs.data(), xm.data());
-  const std::vector<float> xoff = q6k_offsets(xq, xs);
-  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 16 * 1536 / k);
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = wp + t * per_row * kQ6KPackedBytes;
-      for (int64_t m0 = 0; m0 < m; m0 += 8) {
-        q6k_tile_rows(static_cast<int>(std::min<int64_t>(8, m - m0)), tile, per_row, xq.data() + m0 * k,
-                      xs.data() + m0 * (k / 32), xoff.data() + m0 * (k / 16), k, yp + m0 * n, n, t * kTileRows);
-      }
-    }
-  });
-  return y;
+torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  return tiled_matmul(x, packed, n, 32, kQ6KPackedBytes, "q6k_pack", true, 8,
+                      [](int rows, const uint8_t* tile, int64_t per_row, const int8_t* xq, const float* xs,
+                         const float*, const float* xoff, int64_t k, float* y, int64_t n, int64_t row0) {
+                        q6k_tile_rows(rows, tile, per_row, xq, xs, xoff, k, y, n, row0);
+                      });
 }
 #endif  // SPECVERIFY_Q4K == 512
 #endif  // SPECVERIFY_Q4K
@@ -637,11 +635,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4k_pack", &q4k_pack, "Q4_K blocks [N rows of K] -> the Q4_K kernel's layout (16-row tiles)");
   m.def("q4k_quantize", &q4k_quantize, "x [M, K] -> int8 codes, per-32 scale, per-32 scale * code sum");
   m.def("q4k_matmul", &q4k_matmul, "x [M, K] bf16 / float32 @ packed Q4_K [N rows of K]^T -> [M, N] float32");
-#if SPECVERIFY_Q4K == 256
-  m.def("q6k_int8_matmul", &q6k_int8_matmul, "x [M, K] bf16 / float32 @ Q6_K blocks [N rows of K]^T, x in int8");
-#else
-  m.def("q6k_pack", &q6k_pack, "Q6_K blocks [N rows of K] -> the tiled Q6_K kernel's layout (16-row tiles)");
-  m.def("q6k_tiled_matmul", &q6k_tiled_matmul, "x [M, K] bf16 / float32 @ packed Q6_K [N rows of K]^T, x in int8");
-#endif
+  m.def("q6k_pack", &q6k_pack, "Q6_K blocks [N rows of K] -> the Q6_K kernel's layout (VNNI: 16-row tiles; AVX2: as stored)");
+  m.def("q6k_matmul", &q6k_matmul, "x [M, K] bf16 / float32 @ q6k_pack's Q6_K [N rows of K]^T -> [M, N] float32, x in int8");
 #endif
 }
