@@ -133,6 +133,6 @@ def test_env_switch_turns_the_kernel_off(monkeypatch) -> None:
     monkeypatch.setenv("SPECVERIFY_INT4_KERNEL", "0")
     assert int4_kernels() is None
     monkeypatch.setattr(int4_kernel, "_kernels", False)
-    monkeypatch.setattr(int4_kernel, "_cpu_flags", lambda: {"avx512f", "avx512bw"})
+    monkeypatch.setattr(int4_kernel, "cpu_flags", lambda: {"avx512f", "avx512bw"})
     monkeypatch.delenv("SPECVERIFY_INT4_KERNEL")
     assert int4_kernels() is None  # no VNNI

@@ -13,16 +13,16 @@ The same extension holds the Q4_K kernel (`q4k.py`); `ggml_extension` builds it 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from .extension import build_extension, cpu_flags
 
 if TYPE_CHECKING:
     from .llama import PackedWeight
@@ -50,17 +50,6 @@ class Q6KBlocks:
     shape: tuple[int, int]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def ggml_extension() -> ModuleType | None:
     """The compiled `ggml_matmul.cpp` (its Q6_K and Q4_K kernels), built on first call; None where it
     cannot be built here (the reason is logged once). Each kernel's own checks are its caller's."""
@@ -68,26 +57,15 @@ def ggml_extension() -> ModuleType | None:
     if _extension is not False:
         return _extension  # type: ignore[return-value]
     _extension = None
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not all(f in flags for f in _BUILD_FLAGS):
         logger.info(
             "GGML kernels off: this CPU lacks %s", ", ".join(f for f in _BUILD_FLAGS if f not in flags)
         )
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        source = Path(__file__).with_name("ggml_matmul.cpp")
-        # -march=native: the build is for this CPU, so the cache is keyed by its flags too.
-        tag = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
         logger.info("loading the GGML kernels (built on first use on this machine, ~30 s)")
-        _extension = load(
-            name=f"specverify_ggml_{tag}",
-            sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        _extension = build_extension("specverify_ggml", "ggml_matmul.cpp")
     except Exception as e:  # noqa: BLE001 - any build failure keeps the dense paths
         logger.warning("GGML kernels unavailable (%s: %s); their tensors stay dense", type(e).__name__, e)
     return _extension  # type: ignore[return-value]

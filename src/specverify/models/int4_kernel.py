@@ -16,15 +16,13 @@ faster. The packed copy is 0.625 bytes a weight, as PyTorch's int4 copy it repla
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from .ggml import _cpu_flags
+from .extension import build_extension, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -42,24 +40,13 @@ def int4_kernels() -> ModuleType | None:
     _kernels = None
     if os.environ.get("SPECVERIFY_INT4_KERNEL", "1") == "0":
         return None
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not all(f in flags for f in _CPU_FLAGS):
         logger.info("int4 kernel off: this CPU lacks %s", ", ".join(f for f in _CPU_FLAGS if f not in flags))
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        source = Path(__file__).with_name("int4_matmul.cpp")
-        # -march=native: the build is for this CPU, so the cache is keyed by its flags too.
-        tag = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
         logger.info("loading the int4 kernel (built on first use on this machine, ~30 s)")
-        module = load(
-            name=f"specverify_int4_{tag}",
-            sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        module = build_extension("specverify_int4", "int4_matmul.cpp")
         if not module.has_int4():
             raise RuntimeError("the compiler did not target AVX2")
         _self_check(module)

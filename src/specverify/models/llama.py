@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import ChunkAttention
 from .ggml import Q6KBlocks, Q6KWeight, q6k_kernels, q6k_row_limit
 from .model_config import ModelConfig
 from .q4k import Q4K_ROWS, Q4KBlocks, Q4KWeight, q4k_kernels
@@ -131,9 +132,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x [N, heads, d]: x cos + rotate_half(x) sin, with rotate_half's negation folded
+    into `signed_sin` (-sin on the first half), so the halves swap with one flip (the same values)."""
+    n, heads, d = x.shape
+    swapped = x.view(n, heads, 2, d // 2).flip(2).view(n, heads, d)
+    return x * cos + swapped * signed_sin
 
 
 class PackedWeight:
@@ -446,18 +450,20 @@ class LlamaModel(nn.Module):
         # cos/sin once per call, shared by all layers: [N, 1, head_dim] to broadcast over heads.
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(h.dtype)[:, None, :], emb.sin().to(h.dtype)[:, None, :]
-        masks = _chunk_masks(chunks, c.num_kv_groups, h.dtype, h.device)
+        cos = emb.cos().to(h.dtype)[:, None, :]
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(h.dtype)[:, None, :]
+        kernel, sdpa_chunks = ChunkAttention.split(chunks, h.dtype, h.device)
+        masks = _chunk_masks(sdpa_chunks, c.num_kv_groups, h.dtype, h.device)
 
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             qkv = linear(x, layer.wqkv, layer.bqkv)
-            q = qkv[:, :q_size].view(n_tokens, c.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(n_tokens, c.num_kv_heads, c.head_dim)
+            # q and k are side by side in qkv: one rotation for both.
+            qk = qkv[:, : q_size + kv_size].view(n_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = rotate(qk, cos, signed_sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(n_tokens, c.num_kv_heads, c.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            attn = self._attention(index, q, k, v, chunks, masks)
+            attn = self._attention(index, q, k, v, kernel, sdpa_chunks, masks)
             h = h + linear(attn, layer.wo, layer.bo)
 
             x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
@@ -479,14 +485,18 @@ class LlamaModel(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        kernel: ChunkAttention | None,
         chunks: Sequence[SeqChunk],
         masks: list[torch.Tensor | None],
     ) -> torch.Tensor:
         """q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads * d]. Per sequence: write the new keys and
-        values into its cache, then attend over the cache (causal within the new chunk)."""
+        values into its cache, then attend over the cache (causal within the new chunk): `kernel`'s
+        chunks in one call, the others (`chunks`, with their `masks`) through SDPA one by one."""
         c = self.config
         groups, kv_heads, head_dim = c.num_kv_groups, c.num_kv_heads, c.head_dim
         out = torch.empty(q.shape[0], c.num_heads * head_dim, dtype=q.dtype, device=q.device)
+        if kernel is not None:
+            kernel(layer, q, k, v, out)
         for chunk, mask in zip(chunks, masks, strict=True):
             s, e, cache = chunk.start, chunk.end, chunk.cache
             n, total = e - s, cache.length + e - s

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .ggml import _cpu_flags, ggml_extension
+from .extension import cpu_flags
+from .ggml import ggml_extension
 
 if TYPE_CHECKING:
     from .llama import PackedWeight
@@ -85,7 +86,7 @@ def q4k_kernels() -> ModuleType | None:
 
 def q4k_instructions() -> str:
     """Which version of the kernel this CPU runs (the extension is built for it: -march=native)."""
-    return "VNNI" if "avx512_vnni" in _cpu_flags() else "AVX2"
+    return "VNNI" if "avx512_vnni" in cpu_flags() else "AVX2"
 
 
 def _self_check(module: ModuleType) -> None:
