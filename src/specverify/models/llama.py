@@ -20,6 +20,7 @@ from torch import nn
 from .attention import ChunkAttention
 from .ggml import Q6KBlocks, Q6KWeight, q6k_kernels, q6k_row_limit
 from .model_config import ModelConfig
+from .norm import rms_norm
 from .q4k import Q4K_ROWS, Q4KBlocks, Q4KWeight, q4k_kernels
 from .quant import Int4Groups, QuantizedWeight, quantizable
 
@@ -123,13 +124,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, blended, scaled)
     return inv_freq  # "default"
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in float32 (as HF does) so bf16 activations do not lose the scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -455,8 +449,9 @@ class LlamaModel(nn.Module):
         kernel, sdpa_chunks = ChunkAttention.split(chunks, h.dtype, h.device)
         masks = _chunk_masks(sdpa_chunks, c.num_kv_groups, h.dtype, h.device)
 
+        mlp_out = None  # the previous layer's last output, added to the residual stream by the next norm
         for index, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps, add=mlp_out)
             qkv = linear(x, layer.wqkv, layer.bqkv)
             # q and k are side by side in qkv: one rotation for both.
             qk = qkv[:, : q_size + kv_size].view(n_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -464,11 +459,11 @@ class LlamaModel(nn.Module):
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(n_tokens, c.num_kv_heads, c.head_dim)
             attn = self._attention(index, q, k, v, kernel, sdpa_chunks, masks)
-            h = h + linear(attn, layer.wo, layer.bo)
-
-            x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+            x = rms_norm(h, layer.mlp_norm, c.rms_norm_eps, add=linear(attn, layer.wo, layer.bo))
             gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.w_down)
+            mlp_out = linear(F.silu(gate) * up, layer.w_down)
+        if mlp_out is not None:
+            h = h + mlp_out
 
         if logit_rows is not None:
             if logit_rows.numel() == 0:  # prefill-only call: skip the LM head entirely
