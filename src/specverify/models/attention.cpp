@@ -16,9 +16,26 @@
 #include <cstring>
 #include <vector>
 
-#include "fast_exp.h"
-
 namespace {
+
+// e^x for x <= 0 (scores less their row's max), vectorizable: 2^n e^r with |r| <= ln2 / 2 and the
+// Cephes polynomial for e^r (relative error ~2e-7); below -87 it returns 0 (e^-87 ~ 1.6e-38).
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
 
 // Rows of bf16 / float32 into float32, in a loop the compiler vectorizes (bf16 is float's top half).
 inline void load_floats(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -28,9 +45,6 @@ inline void load_floats(const c10::BFloat16* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
-
-template <typename T>
-inline T from_float(float v) { return static_cast<T>(v); }
 
 struct Item {
   int64_t start, rows, past, seq, head;
@@ -54,12 +68,12 @@ void attend_item(const Item& it, const at::Tensor& q, const at::Tensor& k, const
   }
   // Query (i, j): row i of the chunk, head j of the group; it sees keys 0 .. past + i. Keys and values
   // are converted to float a row at a time, each row serving all the item's queries.
-  buf.resize(queries * (2 * d + total + 1) + 2 * d);
+  buf.resize(queries * (2 * d + total + 1) + d);
   float* qf = buf.data();                 // [queries][d], scaled by 1 / sqrt(d)
   float* scores = qf + queries * d;       // [queries][total]
   float* acc = scores + queries * total;  // [queries][d]
   float* sums = acc + queries * d;        // [queries]
-  float* row = sums + queries;            // [2][d]
+  float* row = sums + queries;            // [d]
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int64_t i = 0; i < it.rows; ++i) {
     for (int64_t j = 0; j < groups; ++j) {
@@ -69,31 +83,15 @@ void attend_item(const Item& it, const at::Tensor& q, const at::Tensor& k, const
       for (int64_t c = 0; c < d; ++c) qd[c] *= scale;
     }
   }
-  // Scores two keys by four queries at a time: eight independent sums (one dot product alone would wait
-  // on its own additions). Scores of keys a query does not see are computed too, and never read.
-  float* row2 = row + d;
-  for (int64_t t = 0; t < total; t += 2) {
-    const bool pair = t + 1 < total;
+  for (int64_t t = 0; t < total; ++t) {
     load_floats(kc + t * d, row, d);
-    load_floats(kc + (pair ? t + 1 : t) * d, row2, d);
-    for (int64_t q0 = std::max<int64_t>(0, t - it.past) * groups; q0 < queries; q0 += 4) {
-      const float* a = qf + q0 * d;
-      const float* b = qf + std::min(q0 + 1, queries - 1) * d;
-      const float* c2 = qf + std::min(q0 + 2, queries - 1) * d;
-      const float* e = qf + std::min(q0 + 3, queries - 1) * d;
-      float a0 = 0, a1 = 0, b0 = 0, b1 = 0, c0 = 0, c1 = 0, e0 = 0, e1 = 0;
-#pragma omp simd reduction(+ : a0, a1, b0, b1, c0, c1, e0, e1)
-      for (int64_t c = 0; c < d; ++c) {
-        a0 += a[c] * row[c], a1 += a[c] * row2[c];
-        b0 += b[c] * row[c], b1 += b[c] * row2[c];
-        c0 += c2[c] * row[c], c1 += c2[c] * row2[c];
-        e0 += e[c] * row[c], e1 += e[c] * row2[c];
-      }
-      const float sums0[4] = {a0, b0, c0, e0}, sums1[4] = {a1, b1, c1, e1};
-      for (int64_t j = 0; j < 4 && q0 + j < queries; ++j) {
-        scores[(q0 + j) * total + t] = sums0[j];
-        if (pair) scores[(q0 + j) * total + t + 1] = sums1[j];
-      }
+    // Rows of the chunk before t - past do not see key t; their scores are never read.
+    for (int64_t qi = std::max<int64_t>(0, t - it.past) * groups; qi < queries; ++qi) {
+      const float* qd = qf + qi * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < d; ++c) dot += qd[c] * row[c];
+      scores[qi * total + t] = dot;
     }
   }
   for (int64_t qi = 0; qi < queries; ++qi) {  // softmax over the keys query qi sees
@@ -125,7 +123,7 @@ void attend_item(const Item& it, const at::Tensor& q, const at::Tensor& k, const
       const int64_t qi = i * groups + j;
       T* o = out.data_ptr<T>() + (it.start + i) * out.stride(0) + (it.head * groups + j) * d;
       const float inv = 1.0f / sums[qi];
-      for (int64_t c = 0; c < d; ++c) o[c] = from_float<T>(acc[qi * d + c] * inv);
+      for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[qi * d + c] * inv);
     }
   }
 }

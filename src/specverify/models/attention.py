@@ -13,8 +13,6 @@ a GPU, or with SPECVERIFY_ATTENTION_KERNEL=0, SDPA serves every chunk.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -22,12 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .extension import build_extension
+from .extension import KERNEL_DTYPES, checked_extension
 
 if TYPE_CHECKING:
     from .llama import SeqChunk
-
-logger = logging.getLogger(__name__)
 
 # Chunks of at most this many rows take the kernel (it handles any causal chunk, but lost to SDPA at 6).
 KERNEL_ROWS = 1
@@ -38,20 +34,12 @@ def attention_kernel() -> ModuleType | None:
     """The compiled `attention.cpp`, built and checked on first call; None where it is unavailable
     (the reason is logged once)."""
     global _module
-    if _module is not False:
-        return _module  # type: ignore[return-value]
-    _module = None
-    if os.environ.get("SPECVERIFY_ATTENTION_KERNEL", "1") == "0":
-        return None
-    try:
-        logger.info("loading the attention kernel (built on first use on this machine, ~30 s)")
-        module = build_extension("specverify_attention", "attention.cpp")
-        _self_check(module)
-    except Exception as e:  # noqa: BLE001 - any build or check failure keeps SDPA
-        logger.warning("attention kernel unavailable (%s: %s); SDPA stays", type(e).__name__, e)
-        return None
-    _module = module
-    return module
+    if _module is False:
+        _module = checked_extension(
+            "specverify_attention", "attention.cpp", "SPECVERIFY_ATTENTION_KERNEL", "attention kernel", "SDPA",
+            _self_check,
+        )  # fmt: skip
+    return _module  # type: ignore[return-value]
 
 
 class ChunkAttention:
@@ -60,19 +48,18 @@ class ChunkAttention:
 
     def __init__(self, module: ModuleType, chunks: Sequence[SeqChunk]) -> None:
         self._module = module
-        self.chunks = list(chunks)
-        self._keys = [c.cache.k for c in self.chunks]
-        self._values = [c.cache.v for c in self.chunks]
-        self._past = torch.tensor([c.cache.length for c in self.chunks], dtype=torch.int64)
-        self._starts = torch.tensor([c.start for c in self.chunks], dtype=torch.int64)
-        self._ends = torch.tensor([c.end for c in self.chunks], dtype=torch.int64)
+        self._keys = [c.cache.k for c in chunks]
+        self._values = [c.cache.v for c in chunks]
+        self._past = torch.tensor([c.cache.length for c in chunks], dtype=torch.int64)
+        self._starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
+        self._ends = torch.tensor([c.end for c in chunks], dtype=torch.int64)
 
     @staticmethod
     def split(
         chunks: Sequence[SeqChunk], dtype: torch.dtype, device: torch.device
     ) -> tuple[ChunkAttention | None, list[SeqChunk]]:
         """The kernel's chunks (None if it takes none) and the rest, for SDPA."""
-        module = attention_kernel() if device.type == "cpu" and dtype in _DTYPES else None
+        module = attention_kernel() if device.type == "cpu" and dtype in KERNEL_DTYPES else None
         if module is None:
             return None, list(chunks)
         short = [c for c in chunks if c.end - c.start <= KERNEL_ROWS]
@@ -87,9 +74,6 @@ class ChunkAttention:
         self._module.chunk_attention(
             q, k, v, self._keys, self._values, self._starts, self._ends, self._past, layer, out
         )
-
-
-_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _self_check(module: ModuleType) -> None:

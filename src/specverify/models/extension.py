@@ -8,8 +8,18 @@ Each kernel file is built once per machine on first use by torch's C++ extension
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The dtypes the CPU kernels that take activations as stored (attention, RMSNorm) are built for.
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def cpu_flags() -> set[str]:
@@ -36,3 +46,20 @@ def build_extension(prefix: str, source: str) -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+def checked_extension(
+    prefix: str, source: str, switch: str, what: str, fallback: str, self_check: Callable[[ModuleType], None]
+) -> ModuleType | None:
+    """`build_extension`, then `self_check` on the module; None where the environment variable
+    `switch` is "0" or the build or check fails (logged: `what` unavailable, `fallback` stays)."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        logger.info("loading the %s (built on first use on this machine, ~30 s)", what)
+        module = build_extension(prefix, source)
+        self_check(module)
+    except Exception as e:  # noqa: BLE001 - any build or check failure keeps the caller's other path
+        logger.warning("%s unavailable (%s: %s); %s stays", what, type(e).__name__, e, fallback)
+        return None
+    return module

@@ -17,12 +17,11 @@ faster. The packed copy is 0.625 bytes a weight, as PyTorch's int4 copy it repla
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 
 import torch
 
-from .extension import build_extension, cpu_flags
+from .extension import checked_extension, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -38,29 +37,23 @@ def int4_kernels() -> ModuleType | None:
     if _kernels is not False:
         return _kernels  # type: ignore[return-value]
     _kernels = None
-    if os.environ.get("SPECVERIFY_INT4_KERNEL", "1") == "0":
-        return None
     flags = cpu_flags()
     if not all(f in flags for f in _CPU_FLAGS):
         logger.info("int4 kernel off: this CPU lacks %s", ", ".join(f for f in _CPU_FLAGS if f not in flags))
         return None
-    try:
-        logger.info("loading the int4 kernel (built on first use on this machine, ~30 s)")
-        module = build_extension("specverify_int4", "int4_matmul.cpp")
-        if not module.has_int4():
-            raise RuntimeError("the compiler did not target AVX2")
-        _self_check(module)
-    except Exception as e:  # noqa: BLE001 - any build or check failure keeps PyTorch's int4 kernel
-        logger.warning("int4 kernel unavailable (%s: %s); PyTorch's int4 kernel stays", type(e).__name__, e)
-        return None
-    _kernels = module
-    return module
+    _kernels = checked_extension(
+        "specverify_int4", "int4_matmul.cpp", "SPECVERIFY_INT4_KERNEL", "int4 kernel", "PyTorch's int4 kernel",
+        _self_check,
+    )  # fmt: skip
+    return _kernels
 
 
 def _self_check(module: ModuleType) -> None:
     """The kernel against a dense matmul on the dequantised weight, at 1-9 rows and a ragged last tile.
     Activations on the int8 grid of each group (a multiple of 2^-7, 127 at the top) make the kernel's
     integer part exact, so only float summation order is left."""
+    if not module.has_int4():
+        raise RuntimeError("the compiler did not target AVX2")
     g = torch.Generator().manual_seed(0)
     n, k = 40, 96
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)

@@ -11,43 +11,30 @@ PyTorch ops run.
 
 from __future__ import annotations
 
-import logging
-import os
 from types import ModuleType
 
 import torch
 
-from .extension import build_extension
-
-logger = logging.getLogger(__name__)
+from .extension import KERNEL_DTYPES, checked_extension
 
 _module: ModuleType | None | bool = False  # False: not tried yet; None: unavailable
-_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def norm_kernel() -> ModuleType | None:
     """The compiled `rms_norm.cpp`, built and checked on first call; None where it is unavailable (the
     reason is logged once)."""
     global _module
-    if _module is not False:
-        return _module  # type: ignore[return-value]
-    _module = None
-    if os.environ.get("SPECVERIFY_NORM_KERNEL", "1") == "0":
-        return None
-    try:
-        logger.info("loading the RMSNorm kernel (built on first use on this machine, ~20 s)")
-        module = build_extension("specverify_rms_norm", "rms_norm.cpp")
-        _self_check(module)
-    except Exception as e:  # noqa: BLE001 - any build or check failure keeps the PyTorch ops
-        logger.warning("RMSNorm kernel unavailable (%s: %s); the PyTorch ops stay", type(e).__name__, e)
-        return None
-    _module = module
-    return module
+    if _module is False:
+        _module = checked_extension(
+            "specverify_rms_norm", "rms_norm.cpp", "SPECVERIFY_NORM_KERNEL", "RMSNorm kernel", "the PyTorch ops",
+            _self_check,
+        )  # fmt: skip
+    return _module  # type: ignore[return-value]
 
 
 def _kernel_for(*tensors: torch.Tensor) -> ModuleType | None:
     x = tensors[0]
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 2:
+    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES or x.dim() != 2:
         return None
     if not all(t.is_contiguous() and t.dtype == x.dtype for t in tensors):
         return None
